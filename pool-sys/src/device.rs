@@ -1,0 +1,154 @@
+//! The device trait: everything the pool needs from a GPU driver (or from
+//! the host stand-in), and nothing else.
+//!
+//! Handles are small `Copy` ids issued by the backend, never raw driver
+//! pointers: the backend keeps the table from id to driver object, so a
+//! destroyed handle is detected (an error, not a crash) and an id is never
+//! issued twice, even when the driver reuses a destroyed stream's pointer.
+
+use crate::error::SysResult;
+use std::os::fd::OwnedFd;
+
+/// A device virtual address.
+pub type DevicePtr = u64;
+
+macro_rules! handle {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub struct $name(pub u64);
+        impl $name {
+            /// The raw id (unique for the backend's lifetime).
+            pub fn id(self) -> u64 {
+                self.0
+            }
+        }
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                write!(f, "{}#{}", stringify!($name), self.0)
+            }
+        }
+    };
+}
+
+handle!(
+    /// A stream: work on it runs in issue order. Ids are never reused.
+    Stream
+);
+handle!(
+    /// An event: a point in a stream's work that can be queried or waited on.
+    Event
+);
+handle!(
+    /// A piece of physical memory (a VMM allocation handle / a memfd).
+    Physical
+);
+
+/// Free and total device memory, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemInfo {
+    pub free: usize,
+    pub total: usize,
+}
+
+/// What a device may do with a mapped range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Access {
+    None,
+    Read,
+    ReadWrite,
+}
+
+/// One entry of a `set_access` call: which device gets which access.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct AccessDesc {
+    pub device: i32,
+    pub access: Access,
+}
+
+/// How physical memory is created.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PhysicalOptions {
+    /// Ask for the POSIX file-descriptor handle type, so the memory can be
+    /// exported to another process later.
+    pub exportable: bool,
+}
+
+/// A host function enqueued on a stream.
+pub type HostTask = Box<dyn FnOnce() + Send + 'static>;
+
+/// The device boundary. Implemented by the CUDA backend, the host backend
+/// and the fault-injecting wrapper. All methods are thread-safe.
+///
+/// VMM rules every backend enforces: sizes and offsets are multiples of
+/// [`Device::granularity`]; `unmap` covers exactly ranges that were mapped;
+/// a fresh mapping has no access until `set_access`; map, unmap, set-access
+/// and release act immediately, not in stream order.
+pub trait Device: Send + Sync + 'static {
+    /// Short backend name ("cuda", "host").
+    fn backend_name(&self) -> &'static str;
+    /// The device ordinal this instance drives.
+    fn ordinal(&self) -> i32;
+    /// Minimum (= recommended) granularity of physical memory and mappings.
+    fn granularity(&self) -> usize;
+
+    // --- virtual address space ---
+    /// Reserve `size` bytes of virtual address space (no memory behind it).
+    fn reserve_va(&self, size: usize, alignment: usize) -> SysResult<DevicePtr>;
+    /// Give a reservation back; it must hold no mappings.
+    fn free_va(&self, ptr: DevicePtr, size: usize) -> SysResult<()>;
+
+    // --- physical memory ---
+    /// Create `size` bytes of physical memory; touches no pages.
+    fn create_physical(&self, size: usize, options: PhysicalOptions) -> SysResult<Physical>;
+    /// Release physical memory. The memory lives on while still mapped.
+    fn release_physical(&self, handle: Physical) -> SysResult<()>;
+    /// Map `size` bytes of `handle`, from `offset`, at `ptr` (inside a reservation).
+    fn map(&self, ptr: DevicePtr, size: usize, handle: Physical, offset: usize) -> SysResult<()>;
+    /// Unmap exactly a range that was mapped by one `map` call.
+    fn unmap(&self, ptr: DevicePtr, size: usize) -> SysResult<()>;
+    /// Set access for a mapped range, for each listed device.
+    fn set_access(&self, ptr: DevicePtr, size: usize, access: &[AccessDesc]) -> SysResult<()>;
+    /// Export physical memory (created exportable) as a POSIX file descriptor.
+    fn export_fd(&self, handle: Physical) -> SysResult<OwnedFd>;
+    /// Import physical memory exported by another process (or this one).
+    fn import_fd(&self, fd: OwnedFd, size: usize) -> SysResult<Physical>;
+    /// Free and total device memory.
+    fn mem_info(&self) -> SysResult<MemInfo>;
+
+    // --- streams ---
+    /// Create a stream owned by this backend.
+    fn create_stream(&self) -> SysResult<Stream>;
+    /// Destroy a stream (or forget an adopted one). Work already queued on it
+    /// still runs to completion.
+    fn destroy_stream(&self, stream: Stream) -> SysResult<()>;
+    /// The legacy default (NULL) stream. Always valid, never destroyed.
+    fn default_stream(&self) -> Stream;
+    /// Register a raw driver stream created by someone else (a `CUstream`
+    /// from cudarc or a C caller). Each call issues a new id; the caller
+    /// retires it with `destroy_stream`, which then does not destroy the
+    /// driver stream.
+    fn adopt_stream(&self, raw: usize) -> SysResult<Stream>;
+    /// Block until all work queued on the stream is done.
+    fn synchronize_stream(&self, stream: Stream) -> SysResult<()>;
+    /// Whether all work queued on the stream is done.
+    fn query_stream(&self, stream: Stream) -> SysResult<bool>;
+    /// Whether the stream is being captured into a graph.
+    fn is_capturing(&self, stream: Stream) -> SysResult<bool>;
+
+    // --- events ---
+    fn create_event(&self) -> SysResult<Event>;
+    /// Record the event at the current end of the stream's work.
+    fn record_event(&self, event: Event, stream: Stream) -> SysResult<()>;
+    /// Whether the work before the last record is done (true if never recorded).
+    fn query_event(&self, event: Event) -> SysResult<bool>;
+    /// Block until the work before the last record is done.
+    fn synchronize_event(&self, event: Event) -> SysResult<()>;
+    fn destroy_event(&self, event: Event) -> SysResult<()>;
+    /// Make later work on `stream` wait for `event` (no-op if never recorded).
+    fn wait_event(&self, stream: Stream, event: Event) -> SysResult<()>;
+
+    /// Run `task` on the host once the stream's earlier work is done; later
+    /// work on the stream waits for it.
+    fn launch_host(&self, stream: Stream, task: HostTask) -> SysResult<()>;
+}

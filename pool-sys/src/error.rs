@@ -1,0 +1,196 @@
+//! The one error type of the device boundary: every failure names the
+//! operation that failed and what the driver or the OS said.
+
+use std::fmt;
+
+/// The operation of the device trait that failed. Fault injection targets
+/// operations by this name too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Op {
+    Init,
+    Granularity,
+    ReserveVa,
+    FreeVa,
+    CreatePhysical,
+    ReleasePhysical,
+    Map,
+    Unmap,
+    SetAccess,
+    ExportHandle,
+    ImportHandle,
+    MemInfo,
+    CreateStream,
+    DestroyStream,
+    AdoptStream,
+    SynchronizeStream,
+    QueryStream,
+    IsCapturing,
+    CreateEvent,
+    RecordEvent,
+    QueryEvent,
+    SynchronizeEvent,
+    DestroyEvent,
+    WaitEvent,
+    LaunchHost,
+}
+
+impl Op {
+    /// Every operation, for tests and fault-injection sweeps.
+    pub const ALL: &'static [Op] = &[
+        Op::Init,
+        Op::Granularity,
+        Op::ReserveVa,
+        Op::FreeVa,
+        Op::CreatePhysical,
+        Op::ReleasePhysical,
+        Op::Map,
+        Op::Unmap,
+        Op::SetAccess,
+        Op::ExportHandle,
+        Op::ImportHandle,
+        Op::MemInfo,
+        Op::CreateStream,
+        Op::DestroyStream,
+        Op::AdoptStream,
+        Op::SynchronizeStream,
+        Op::QueryStream,
+        Op::IsCapturing,
+        Op::CreateEvent,
+        Op::RecordEvent,
+        Op::QueryEvent,
+        Op::SynchronizeEvent,
+        Op::DestroyEvent,
+        Op::WaitEvent,
+        Op::LaunchHost,
+    ];
+
+    /// A short, stable name ("map", "create_physical", ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Init => "init",
+            Op::Granularity => "granularity",
+            Op::ReserveVa => "reserve_va",
+            Op::FreeVa => "free_va",
+            Op::CreatePhysical => "create_physical",
+            Op::ReleasePhysical => "release_physical",
+            Op::Map => "map",
+            Op::Unmap => "unmap",
+            Op::SetAccess => "set_access",
+            Op::ExportHandle => "export_handle",
+            Op::ImportHandle => "import_handle",
+            Op::MemInfo => "mem_info",
+            Op::CreateStream => "create_stream",
+            Op::DestroyStream => "destroy_stream",
+            Op::AdoptStream => "adopt_stream",
+            Op::SynchronizeStream => "synchronize_stream",
+            Op::QueryStream => "query_stream",
+            Op::IsCapturing => "is_capturing",
+            Op::CreateEvent => "create_event",
+            Op::RecordEvent => "record_event",
+            Op::QueryEvent => "query_event",
+            Op::SynchronizeEvent => "synchronize_event",
+            Op::DestroyEvent => "destroy_event",
+            Op::WaitEvent => "wait_event",
+            Op::LaunchHost => "launch_host",
+        }
+    }
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A failed call at the device boundary.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SysError {
+    /// The CUDA driver library could not be loaded (no GPU driver on this
+    /// machine); the host backend works without it.
+    DriverUnavailable { reason: String },
+    /// The CUDA driver returned an error code.
+    Driver {
+        op: Op,
+        code: u32,
+        name: String,
+    },
+    /// An operating-system call failed.
+    Os { op: Op, errno: i32, message: String },
+    /// Not enough device (or host-backend capacity) memory.
+    OutOfMemory {
+        op: Op,
+        requested: usize,
+        available: usize,
+    },
+    /// The arguments break a rule of the API (alignment, range, size).
+    InvalidArgument { op: Op, reason: String },
+    /// A handle that was never created, or was already destroyed/released.
+    InvalidHandle { op: Op, what: &'static str, id: u64 },
+    /// The backend cannot do this at all.
+    Unsupported { op: Op, reason: String },
+    /// A failure made on purpose by [`crate::FaultInjector`].
+    Injected { op: Op, call: u64 },
+}
+
+impl SysError {
+    /// The operation that failed, where there is one.
+    pub fn op(&self) -> Option<Op> {
+        match self {
+            SysError::DriverUnavailable { .. } => None,
+            SysError::Driver { op, .. }
+            | SysError::Os { op, .. }
+            | SysError::OutOfMemory { op, .. }
+            | SysError::InvalidArgument { op, .. }
+            | SysError::InvalidHandle { op, .. }
+            | SysError::Unsupported { op, .. }
+            | SysError::Injected { op, .. } => Some(*op),
+        }
+    }
+
+    /// True when the failure means "no memory left" (the pool may then try
+    /// releasing cached memory and growing again).
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, SysError::OutOfMemory { .. })
+    }
+}
+
+impl fmt::Display for SysError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SysError::DriverUnavailable { reason } => {
+                write!(f, "the CUDA driver could not be loaded: {reason}")
+            }
+            SysError::Driver { op, code, name } => {
+                write!(f, "{op}: CUDA driver error {name} ({code})")
+            }
+            SysError::Os { op, errno, message } => {
+                write!(f, "{op}: OS error {errno}: {message}")
+            }
+            SysError::OutOfMemory {
+                op,
+                requested,
+                available,
+            } => write!(
+                f,
+                "{op}: out of memory: {requested} bytes requested, {available} bytes available"
+            ),
+            SysError::InvalidArgument { op, reason } => {
+                write!(f, "{op}: invalid argument: {reason}")
+            }
+            SysError::InvalidHandle { op, what, id } => {
+                write!(f, "{op}: {what} {id} does not exist (never created, or already destroyed)")
+            }
+            SysError::Unsupported { op, reason } => write!(f, "{op}: not supported: {reason}"),
+            SysError::Injected { op, call } => {
+                write!(f, "{op}: failure injected on call {call}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for SysError {}
+
+/// Result of a device-boundary call.
+pub type SysResult<T> = Result<T, SysError>;

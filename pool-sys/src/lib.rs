@@ -1,0 +1,22 @@
+//! tidepool-sys: the device boundary of tidepool.
+//!
+//! The only crate of the workspace that talks to a driver or to the OS. One
+//! trait, [`Device`], and its backends:
+//! - [`cuda::CudaDevice`]: the CUDA driver's VMM API, streams and events,
+//!   loaded at run time (nothing CUDA is needed to build);
+//! - [`host::HostDevice`]: memfd-backed memory and worker-thread streams, as
+//!   strict as the driver, used by tests and on machines without a GPU;
+//! - [`FaultInjector`]: wraps any backend and fails a chosen call.
+
+pub mod cuda;
+pub mod device;
+pub mod error;
+pub mod fault;
+pub mod host;
+
+pub use device::{
+    Access, AccessDesc, Device, DevicePtr, Event, HostTask, MemInfo, Physical, PhysicalOptions,
+    Stream,
+};
+pub use error::{Op, SysError, SysResult};
+
