@@ -19,4 +19,5 @@ pub use device::{
     Stream,
 };
 pub use error::{Op, SysError, SysResult};
-
+pub use fault::FaultInjector;
+pub use host::{HostConfig, HostDevice};
