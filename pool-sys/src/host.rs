@@ -19,6 +19,12 @@
 //! still mapped (like `cuMemRelease`); waiting on a never-recorded event is a
 //! no-op; a destroyed stream still runs its queued work.
 //!
+//! [`Device::mem_info`] reports `total` = the configured capacity and
+//! `free` = capacity minus the bytes of physical memory created and still
+//! alive: a handle released while still mapped counts until its last
+//! mapping goes, as on the GPU. Imported handles ([`Device::import_fd`])
+//! belong to their exporter's budget and do not count.
+//!
 //! Device memory is reached from the host only through the checked paths
 //! [`HostDevice::launch_on_words`], [`HostDevice::write_words`] and
 //! [`HostDevice::read_words`], which verify under a read lock of the mapping
