@@ -1,1 +1,7 @@
+//! tidepool-benches: trace replay (`tidepool-replay`) and benchmarks.
+//!
+//! [`replay`] holds everything the replay binary, its tests and the
+//! benchmarks share: trace parsing, the allocator abstraction and replay
+//! loop, the allocators themselves, reports and plots.
 
+pub mod replay;

@@ -1,0 +1,93 @@
+//! SVG timelines of live and reserved bytes (plotters, SVG backend only).
+
+use plotters::prelude::*;
+use std::path::Path;
+
+/// One line of a panel: (operation index, bytes) points.
+#[derive(Debug, Clone)]
+pub struct Series {
+    pub label: String,
+    pub points: Vec<(f64, f64)>,
+}
+
+/// One panel: a trace, its live bytes and each allocator's reserved bytes.
+/// The x axis counts operations over all passes, one after the other.
+#[derive(Debug, Clone)]
+pub struct Panel {
+    pub title: String,
+    pub live: Series,
+    pub reserved: Vec<Series>,
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// Draw the panels, one above the other, into an SVG file.
+pub fn draw_svg(path: &Path, panels: &[Panel]) -> Result<(), String> {
+    if panels.is_empty() {
+        return Err("nothing to plot".into());
+    }
+    let height = 420 * panels.len() as u32;
+    let root = SVGBackend::new(path, (1100, height)).into_drawing_area();
+    let err = |e: &dyn std::fmt::Display| format!("{}: cannot draw plot: {e}", path.display());
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let areas = root.split_evenly((panels.len(), 1));
+    let palette = [
+        RGBColor(0xd6, 0x27, 0x28),
+        RGBColor(0x1f, 0x77, 0xb4),
+        RGBColor(0xff, 0x7f, 0x0e),
+        RGBColor(0x94, 0x67, 0xbd),
+        RGBColor(0x8c, 0x56, 0x4b),
+    ];
+    for (panel, area) in panels.iter().zip(areas.iter()) {
+        let all = std::iter::once(&panel.live).chain(panel.reserved.iter());
+        let (mut xmax, mut ymax) = (1.0f64, 1.0f64);
+        for s in all {
+            for &(x, y) in &s.points {
+                xmax = xmax.max(x);
+                ymax = ymax.max(y / GIB);
+            }
+        }
+        let mut chart = ChartBuilder::on(area)
+            .caption(&panel.title, ("sans-serif", 20))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d(0f64..xmax, 0f64..ymax * 1.08)
+            .map_err(|e| err(&e))?;
+        chart
+            .configure_mesh()
+            .x_desc("operations (passes one after the other)")
+            .y_desc("GiB")
+            .draw()
+            .map_err(|e| err(&e))?;
+        let live_color = RGBColor(0x2c, 0xa0, 0x2c);
+        chart
+            .draw_series(LineSeries::new(
+                panel.live.points.iter().map(|&(x, y)| (x, y / GIB)),
+                live_color.stroke_width(2),
+            ))
+            .map_err(|e| err(&e))?
+            .label(panel.live.label.clone())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], live_color));
+        for (i, s) in panel.reserved.iter().enumerate() {
+            let color = palette[i % palette.len()];
+            chart
+                .draw_series(LineSeries::new(
+                    s.points.iter().map(|&(x, y)| (x, y / GIB)),
+                    color.stroke_width(2),
+                ))
+                .map_err(|e| err(&e))?
+                .label(s.label.clone())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|e| err(&e))?;
+    }
+    root.present().map_err(|e| err(&e))?;
+    Ok(())
+}

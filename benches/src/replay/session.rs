@@ -1,0 +1,299 @@
+//! A replay session: which backend, which allocators, how many passes; runs
+//! them over a parsed trace and hands back one [`Record`] per pass.
+
+use super::allocators;
+use super::plot::{Panel, Series};
+use super::report::Record;
+use super::run::{PassOptions, PassResult, ReplayAllocator, ReplayError, Replayer};
+use super::trace::Trace;
+use std::fmt;
+use std::str::FromStr;
+
+/// Where the memory comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// `tidepool_sys::host::HostDevice` (no GPU needed).
+    Host,
+    /// `tidepool_sys::cuda::CudaDevice`, device 0.
+    Cuda,
+}
+
+impl Backend {
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Host => "host",
+            Backend::Cuda => "cuda",
+        }
+    }
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Which allocator a trace is replayed through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AllocatorKind {
+    /// tidepool's `MemPool` on the backend's device.
+    Tidepool,
+    /// A fresh explicit driver pool (`cuMemPoolCreate`, release threshold
+    /// max); CUDA only.
+    DriverPool,
+    /// `cuMemAlloc`/`cuMemFree`, no pool; CUDA only.
+    CuMemAlloc,
+    /// A reference over no memory at all: reserved is exactly live. Measures
+    /// the harness's own cost per operation; any backend.
+    Ideal,
+}
+
+impl AllocatorKind {
+    pub const ALL: [AllocatorKind; 4] = [
+        AllocatorKind::Tidepool,
+        AllocatorKind::DriverPool,
+        AllocatorKind::CuMemAlloc,
+        AllocatorKind::Ideal,
+    ];
+
+    /// The name in reports and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            AllocatorKind::Tidepool => "tidepool",
+            AllocatorKind::DriverPool => "driver-pool",
+            AllocatorKind::CuMemAlloc => "cuMemAlloc",
+            AllocatorKind::Ideal => "ideal",
+        }
+    }
+
+    /// Whether the allocator exists on the backend.
+    pub fn available_on(self, backend: Backend) -> bool {
+        match self {
+            AllocatorKind::Tidepool | AllocatorKind::Ideal => true,
+            AllocatorKind::DriverPool | AllocatorKind::CuMemAlloc => backend == Backend::Cuda,
+        }
+    }
+
+    /// A remark printed with the allocator's rows, where its ratio holds
+    /// by construction.
+    pub fn note(self) -> Option<&'static str> {
+        match self {
+            AllocatorKind::CuMemAlloc => Some(
+                "cuMemAlloc has no pool: reserved is the sum of live allocations, so its ratio is 1.0 by construction",
+            ),
+            AllocatorKind::Ideal => Some(
+                "ideal is a reference that allocates nothing: reserved = live, ratio 1.0 by construction; its ops/s is the harness's own ceiling",
+            ),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for AllocatorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for AllocatorKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        AllocatorKind::ALL
+            .into_iter()
+            .find(|k| k.name().eq_ignore_ascii_case(s))
+            .ok_or_else(|| {
+                let names: Vec<_> = AllocatorKind::ALL.iter().map(|k| k.name()).collect();
+                format!("unknown allocator `{s}` (known: {})", names.join(", "))
+            })
+    }
+}
+
+/// How to replay.
+#[derive(Debug, Clone, Copy)]
+pub struct SessionOptions {
+    pub backend: Backend,
+    /// Passes per allocator (1: fresh only; later passes are warm).
+    pub passes: u32,
+    /// Host backend capacity in bytes (`None`: the backend's default).
+    pub host_capacity: Option<usize>,
+    /// Samples of reserved bytes per pass for a plot (0: none).
+    pub samples_per_pass: usize,
+    /// Operations between progress callbacks (0: none).
+    pub progress_every: usize,
+}
+
+impl Default for SessionOptions {
+    fn default() -> Self {
+        SessionOptions {
+            backend: Backend::Host,
+            passes: 1,
+            host_capacity: None,
+            samples_per_pass: 0,
+            progress_every: 0,
+        }
+    }
+}
+
+/// Replay `trace` through a fresh `kind` allocator, `opts.passes` times.
+/// `on_record` sees each pass's record as soon as it is done;
+/// `progress` sees the operations done so far in the current pass.
+pub fn replay(
+    trace: &Trace,
+    kind: AllocatorKind,
+    opts: &SessionOptions,
+    on_record: &mut dyn FnMut(&Record),
+    progress: &mut dyn FnMut(usize),
+) -> Result<Vec<Record>, ReplayError> {
+    if !kind.available_on(opts.backend) {
+        return Err(ReplayError(format!(
+            "allocator {kind} needs the cuda backend (this run uses {})",
+            opts.backend
+        )));
+    }
+    let pass_opts = PassOptions {
+        sample_every: if opts.samples_per_pass > 0 {
+            trace.ops.len().div_ceil(opts.samples_per_pass).max(1)
+        } else {
+            0
+        },
+        progress_every: opts.progress_every,
+    };
+    macro_rules! run {
+        ($alloc:expr) => {
+            run_passes($alloc, trace, opts, pass_opts, kind, on_record, progress)?
+        };
+    }
+    let streams = trace.streams.len();
+    let results = match (kind, opts.backend) {
+        (AllocatorKind::Ideal, _) => run!(allocators::IdealAllocator::new(u64::MAX, 1)),
+        (AllocatorKind::DriverPool, Backend::Cuda) => {
+            let dev = allocators::cuda_device()?;
+            run!(allocators::DriverPoolAlloc::new(&dev, streams)?)
+        }
+        (AllocatorKind::CuMemAlloc, Backend::Cuda) => {
+            let dev = allocators::cuda_device()?;
+            run!(allocators::CuMemAlloc::new(&dev))
+        }
+        _ => {
+            return Err(ReplayError(format!(
+                "allocator {kind} on backend {} is not wired in yet",
+                opts.backend
+            )))
+        }
+    };
+    Ok(results)
+}
+
+fn record(trace: &Trace, opts: &SessionOptions, kind: AllocatorKind, r: PassResult) -> Record {
+    Record {
+        trace: trace.name.clone(),
+        backend: opts.backend.name().to_string(),
+        allocator: kind.name().to_string(),
+        result: r,
+        note: kind.note().map(str::to_string),
+    }
+}
+
+/// Run the passes on one allocator (generic, so the timed loop is
+/// monomorphised for it).
+pub(crate) fn run_passes<A: ReplayAllocator>(
+    alloc: A,
+    trace: &Trace,
+    opts: &SessionOptions,
+    pass_opts: PassOptions,
+    kind: AllocatorKind,
+    on_record: &mut dyn FnMut(&Record),
+    progress: &mut dyn FnMut(usize),
+) -> Result<Vec<Record>, ReplayError> {
+    let mut replayer = Replayer::new(alloc, trace);
+    let mut out = Vec::new();
+    for _ in 0..opts.passes.max(1) {
+        let r = replayer.pass(pass_opts, &mut *progress)?;
+        let rec = record(trace, opts, kind, r);
+        on_record(&rec);
+        out.push(rec);
+    }
+    Ok(out)
+}
+
+/// The plot panel of one trace from the records of its replays: the live
+/// bytes the trace asks for and each allocator's sampled reserved bytes,
+/// passes one after the other on the x axis.
+pub fn panel(trace: &Trace, records: &[Record]) -> Panel {
+    let n = trace.ops.len();
+    let mut reserved = Vec::new();
+    let mut live_points = Vec::new();
+    let mut passes_drawn = 0;
+    let mut allocators: Vec<&str> = Vec::new();
+    for r in records {
+        if !allocators.contains(&r.allocator.as_str()) {
+            allocators.push(&r.allocator);
+        }
+    }
+    for name in allocators {
+        let mut points = Vec::new();
+        let mut pass_count = 0;
+        for r in records.iter().filter(|r| r.allocator == name) {
+            let base = (r.result.pass as usize - 1) * n;
+            points.extend(
+                r.result
+                    .samples
+                    .iter()
+                    .map(|s| ((base + s.op) as f64, s.reserved_bytes as f64)),
+            );
+            pass_count = pass_count.max(r.result.pass as usize);
+            if passes_drawn < r.result.pass as usize {
+                // The live curve of this pass, at the same sample points.
+                let counts: Vec<usize> = r.result.samples.iter().map(|s| s.op).collect();
+                let live = trace.live_after(&counts);
+                live_points.extend(
+                    counts
+                        .iter()
+                        .zip(live)
+                        .map(|(&c, l)| ((base + c) as f64, l as f64)),
+                );
+                passes_drawn = r.result.pass as usize;
+            }
+        }
+        reserved.push(Series {
+            label: format!("{name} reserved"),
+            points,
+        });
+    }
+    Panel {
+        title: format!(
+            "{} ({} ops, peak live {:.0} MiB)",
+            trace.name,
+            n,
+            trace.peak_live_bytes as f64 / (1u64 << 20) as f64
+        ),
+        live: Series {
+            label: "live (trace)".into(),
+            points: live_points,
+        },
+        reserved,
+    }
+}
+
+/// Parse a byte count with an optional binary suffix: `17179869184`,
+/// `16G`, `16GiB`, `512M`, `64k`, `1T` (K/M/G/T = powers of 1024).
+pub fn parse_bytes(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let lower = t.to_ascii_lowercase();
+    let stripped = lower
+        .strip_suffix("ib")
+        .or_else(|| lower.strip_suffix('b'))
+        .unwrap_or(&lower);
+    let (digits, shift) = match stripped.chars().last() {
+        Some('k') => (&stripped[..stripped.len() - 1], 10),
+        Some('m') => (&stripped[..stripped.len() - 1], 20),
+        Some('g') => (&stripped[..stripped.len() - 1], 30),
+        Some('t') => (&stripped[..stripped.len() - 1], 40),
+        _ => (stripped, 0),
+    };
+    let bad = || format!("`{s}` is not a byte count (examples: 17179869184, 16G, 512M)");
+    let n: usize = digits.trim().parse().map_err(|_| bad())?;
+    n.checked_mul(1usize << shift).ok_or_else(bad)
+}
+
+pub use super::allocators::cuda_available;

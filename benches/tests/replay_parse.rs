@@ -1,0 +1,199 @@
+//! The trace parser: both encodings, clear errors with line numbers, and the
+//! replay loop's handling of out-of-memory, passes and samples (over the
+//! reference allocator, so no device is needed).
+
+use flate2::write::GzEncoder;
+use flate2::Compression;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use tidepool_benches::replay::session::parse_bytes;
+use tidepool_benches::replay::{
+    IdealAllocator, PassOptions, ReplayAllocator, Replayer, Trace, TraceError, TraceOp,
+};
+
+fn parse(text: &str) -> Result<Trace, TraceError> {
+    Trace::parse(text.as_bytes(), Path::new("test.csv"), None)
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tidepool-replay-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+const SMALL: &str = "op,id,size,stream\na,0,100,0\na,1,200,7\nf,0,100,0\na,2,50,0\nf,1,200,7\n";
+
+#[test]
+fn parses_ops_streams_and_peak() {
+    let t = parse(SMALL).unwrap();
+    assert_eq!(t.ops.len(), 5);
+    assert_eq!(t.allocs, 3);
+    assert_eq!(t.streams, vec![0, 7]);
+    assert_eq!(t.peak_live_bytes, 300);
+    assert_eq!(t.live_at_end, 1);
+    assert_eq!(t.live_at_end_bytes, 50);
+    assert_eq!(t.distinct_sizes, 3);
+    // Slots are dense and reused after a free.
+    assert_eq!(t.slots, 2);
+    assert_eq!(
+        t.ops[1],
+        TraceOp::Alloc {
+            slot: 1,
+            size: 200,
+            stream: 1
+        }
+    );
+    assert_eq!(t.live_after(&[0, 2, 3, 5]), vec![0, 300, 200, 50]);
+}
+
+#[test]
+fn plain_and_gzip_files_parse_the_same() {
+    let plain = tmp("small.csv");
+    std::fs::write(&plain, SMALL).unwrap();
+    let gz = tmp("small.csv.gz");
+    let mut enc = GzEncoder::new(Vec::new(), Compression::default());
+    enc.write_all(SMALL.as_bytes()).unwrap();
+    std::fs::write(&gz, enc.finish().unwrap()).unwrap();
+    let a = Trace::load(&plain, None).unwrap();
+    let b = Trace::load(&gz, None).unwrap();
+    assert_eq!(a.ops, b.ops);
+    assert_eq!(a.peak_live_bytes, b.peak_live_bytes);
+    assert_eq!(a.name, "small");
+    assert_eq!(b.name, "small");
+    // A prefix.
+    let c = Trace::load(&gz, Some(3)).unwrap();
+    assert_eq!(c.ops, a.ops[..3]);
+}
+
+#[test]
+fn the_shipped_traces_parse_with_their_documented_peaks() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("traces");
+    let fixed = Trace::load(&dir.join("gpt2-fixed.csv.gz"), None).unwrap();
+    assert_eq!(fixed.ops.len(), 86_400);
+    assert_eq!(fixed.allocs, 43_437);
+    assert_eq!(fixed.distinct_sizes, 43);
+    assert_eq!(fixed.peak_live_bytes, 8_113_058_504);
+    let varlen = Trace::load(&dir.join("gpt2-varlen.csv.gz"), None).unwrap();
+    assert_eq!(varlen.ops.len(), 85_376);
+    assert_eq!(varlen.allocs, 42_925);
+    assert_eq!(varlen.distinct_sizes, 134);
+    assert_eq!(varlen.peak_live_bytes, 9_689_198_280);
+    assert_eq!(fixed.live_at_end, 474);
+}
+
+fn parse_err(text: &str) -> (usize, String) {
+    let e = parse(text).unwrap_err();
+    let line = e.line().expect("a parse error has a line");
+    (line, e.to_string())
+}
+
+#[test]
+fn malformed_lines_name_line_number_and_content() {
+    let (line, msg) = parse_err("op,id,size,stream\na,0,100,0\na,1,abc,0\n");
+    assert_eq!(line, 3);
+    assert!(msg.contains("test.csv:3"), "{msg}");
+    assert!(msg.contains("a,1,abc,0"), "{msg}");
+    assert!(msg.contains("size"), "{msg}");
+
+    let (line, msg) = parse_err("a,0,100,0\na,1,100\n");
+    assert_eq!(line, 2);
+    assert!(msg.contains("a,1,100") && msg.contains("4 fields"), "{msg}");
+
+    let (line, msg) = parse_err("a,0,100,0\nx,1,100,0\n");
+    assert_eq!(line, 2);
+    assert!(msg.contains("unknown op `x`"), "{msg}");
+
+    let (line, msg) = parse_err("a,0,-5,0\n");
+    assert_eq!(line, 1);
+    assert!(msg.contains("a,0,-5,0"), "{msg}");
+
+    let (line, msg) = parse_err("op,id,bytes,stream\n");
+    assert_eq!(line, 1);
+    assert!(msg.contains("header"), "{msg}");
+}
+
+#[test]
+fn unknown_or_double_ids_are_errors() {
+    let (line, msg) = parse_err("op,id,size,stream\na,0,100,0\nf,1,100,0\n");
+    assert_eq!(line, 3);
+    assert!(
+        msg.contains("free of id 1") && msg.contains("f,1,100,0"),
+        "{msg}"
+    );
+
+    // Double free.
+    let (line, msg) = parse_err("a,0,100,0\nf,0,100,0\nf,0,100,0\n");
+    assert_eq!(line, 3);
+    assert!(msg.contains("not live"), "{msg}");
+
+    // Allocation of an id that is live.
+    let (line, msg) = parse_err("a,0,100,0\na,0,100,0\n");
+    assert_eq!(line, 2);
+    assert!(msg.contains("id 0 allocated again"), "{msg}");
+
+    // An id may name a new allocation after its free.
+    assert!(parse("a,0,100,0\nf,0,100,0\na,0,64,0\n").is_ok());
+}
+
+#[test]
+fn missing_file_is_an_io_error() {
+    let e = Trace::load(Path::new("/nonexistent/trace.csv.gz"), None).unwrap_err();
+    assert!(matches!(e, TraceError::Io { .. }));
+    assert!(e.to_string().contains("/nonexistent/trace.csv.gz"), "{e}");
+}
+
+#[test]
+fn byte_counts_with_suffixes() {
+    assert_eq!(parse_bytes("1234").unwrap(), 1234);
+    assert_eq!(parse_bytes("16G").unwrap(), 16 << 30);
+    assert_eq!(parse_bytes("16GiB").unwrap(), 16 << 30);
+    assert_eq!(parse_bytes("512M").unwrap(), 512 << 20);
+    assert_eq!(parse_bytes("64k").unwrap(), 64 << 10);
+    assert!(parse_bytes("12Q").is_err());
+    assert!(parse_bytes("").is_err());
+}
+
+#[test]
+fn oom_is_counted_and_its_free_skipped() {
+    // Capacity 250: the 200-byte allocation on stream 7 fails while 100 live.
+    let t = parse(SMALL).unwrap();
+    let mut r = Replayer::new(IdealAllocator::new(250, 1), &t);
+    let res = r.pass(PassOptions::default(), |_| {}).unwrap();
+    assert_eq!(res.ooms, 1);
+    assert_eq!(res.ops, 5);
+    assert_eq!(res.peak_live_bytes, 300);
+    assert_eq!(res.peak_reserved_bytes, 100);
+    // 3 allocs tried; frees: id 0 in the trace, id 2 at the pass's end; the
+    // failed allocation's free was skipped.
+    assert_eq!(r.allocator.calls.0, 3);
+    assert_eq!(r.allocator.calls.1, 2);
+    assert_eq!(r.allocator.reserved_now().unwrap(), 0);
+}
+
+#[test]
+fn passes_start_from_the_same_live_set_and_report_their_own_peak() {
+    let t = parse(SMALL).unwrap();
+    let mut r = Replayer::new(IdealAllocator::new(u64::MAX, 64), &t);
+    let opts = PassOptions {
+        sample_every: 2,
+        progress_every: 1,
+    };
+    let mut progress = Vec::new();
+    let a = r.pass(opts, |d| progress.push(d)).unwrap();
+    assert_eq!(progress, vec![1, 2, 3, 4, 5]);
+    let b = r.pass(opts, |_| {}).unwrap();
+    assert_eq!((a.pass, b.pass), (1, 2));
+    // Granularity 64: 128 + 256 live at peak.
+    assert_eq!(a.peak_reserved_bytes, 384);
+    assert_eq!(b.peak_reserved_bytes, 384);
+    assert!((a.ratio() - 384.0 / 300.0).abs() < 1e-12);
+    let ops: Vec<usize> = a.samples.iter().map(|s| s.op).collect();
+    assert_eq!(ops, vec![0, 2, 4, 5]);
+    let reserved: Vec<u64> = a.samples.iter().map(|s| s.reserved_bytes).collect();
+    assert_eq!(reserved, vec![0, 384, 320, 64]);
+    assert_eq!(a.samples, b.samples);
+    // Everything freed after each pass; one synchronize per pass.
+    assert_eq!(r.allocator.reserved_now().unwrap(), 0);
+    assert_eq!(r.allocator.calls.2, 2);
+    assert_eq!(r.allocator.max_stream, 1);
+}
