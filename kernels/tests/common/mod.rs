@@ -1,0 +1,220 @@
+//! Scenarios shared by the host and CUDA tests: each takes a device (through
+//! the device trait) and its tag kernels.
+#![allow(dead_code)]
+
+use std::time::{Duration, Instant};
+
+use tidepool_kernels::{tag_word, TagKernels};
+use tidepool_sys::{Access, AccessDesc, Device, DevicePtr, Physical, PhysicalOptions};
+
+/// A reservation of `reserved` granules whose first `mapped` granules are
+/// mapped (read-write for the device when `access`), undone on drop.
+pub struct Mapping<'a> {
+    pub dev: &'a dyn Device,
+    pub ptr: DevicePtr,
+    pub granule: usize,
+    pub reserved: usize,
+    pub mapped: usize,
+    phys: Option<Physical>,
+}
+
+impl<'a> Mapping<'a> {
+    pub fn new(dev: &'a dyn Device, reserved: usize, mapped: usize, access: bool) -> Self {
+        let g = dev.granularity();
+        let ptr = dev.reserve_va(reserved * g, g).expect("reserve_va");
+        let mut m = Mapping {
+            dev,
+            ptr,
+            granule: g,
+            reserved,
+            mapped,
+            phys: None,
+        };
+        if mapped > 0 {
+            let phys = dev
+                .create_physical(mapped * g, PhysicalOptions::default())
+                .expect("create_physical");
+            m.phys = Some(phys);
+            dev.map(ptr, mapped * g, phys, 0).expect("map");
+            if access {
+                dev.set_access(
+                    ptr,
+                    mapped * g,
+                    &[AccessDesc {
+                        device: dev.ordinal(),
+                        access: Access::ReadWrite,
+                    }],
+                )
+                .expect("set_access");
+            }
+        }
+        m
+    }
+
+    /// Bytes mapped.
+    pub fn len(&self) -> usize {
+        self.mapped * self.granule
+    }
+}
+
+impl Drop for Mapping<'_> {
+    fn drop(&mut self) {
+        if let Some(phys) = self.phys {
+            self.dev
+                .unmap(self.ptr, self.mapped * self.granule)
+                .expect("unmap");
+            self.dev.release_physical(phys).expect("release_physical");
+        }
+        self.dev
+            .free_va(self.ptr, self.reserved * self.granule)
+            .expect("free_va");
+    }
+}
+
+/// Fill then verify with the same tag: no mismatches; with another tag:
+/// every word mismatches; a sub-range verifies too.
+pub fn fill_verify_roundtrip(dev: &dyn Device, k: &dyn TagKernels) {
+    let m = Mapping::new(dev, 1, 1, true);
+    let s = dev.create_stream().unwrap();
+    let len = m.len();
+    k.reset_counters().unwrap();
+    k.fill_tag(s, m.ptr, len, 0xC0FFEE).unwrap();
+    k.verify_tag(s, m.ptr, len, 0xC0FFEE).unwrap();
+    assert_eq!(k.mismatches().unwrap(), 0, "same tag must verify");
+
+    k.verify_tag(s, m.ptr, len, 0xBEEF).unwrap();
+    assert_eq!(
+        k.mismatches().unwrap(),
+        (len / 4) as u64,
+        "another tag must mismatch every word"
+    );
+
+    // A sub-range (the pattern depends on the absolute address).
+    k.reset_counters().unwrap();
+    k.verify_tag(s, m.ptr + 4096, 8192, 0xC0FFEE).unwrap();
+    assert_eq!(
+        k.mismatches().unwrap(),
+        0,
+        "a sub-range of a filled range verifies"
+    );
+
+    // A partial overwrite is counted word for word.
+    k.fill_tag(s, m.ptr + 64, 40, 7).unwrap();
+    k.verify_tag(s, m.ptr, len, 0xC0FFEE).unwrap();
+    assert_eq!(k.mismatches().unwrap(), 10);
+
+    // Zero length enqueues nothing.
+    k.reset_counters().unwrap();
+    k.verify_tag(s, m.ptr, 0, 1).unwrap();
+    assert_eq!(k.mismatches().unwrap(), 0);
+    assert_eq!(k.access_faults().unwrap(), 0);
+
+    dev.synchronize_stream(s).unwrap();
+    dev.destroy_stream(s).unwrap();
+}
+
+/// Unaligned ranges are refused before anything is enqueued.
+pub fn rejects_unaligned(dev: &dyn Device, k: &dyn TagKernels) {
+    let s = dev.default_stream();
+    use tidepool_kernels::KernelError;
+    assert!(matches!(
+        k.fill_tag(s, 0x1000, 6, 1),
+        Err(KernelError::UnalignedLength { len: 6 })
+    ));
+    assert!(matches!(
+        k.verify_tag(s, 0x1002, 8, 1),
+        Err(KernelError::UnalignedPointer { .. })
+    ));
+    let msg = k.fill_tag(s, 0x1000, 6, 1).unwrap_err().to_string();
+    assert!(msg.contains("multiple of 4"), "{msg}");
+}
+
+/// A spin on stream A holds back A's later verify: B fills the tag while A
+/// spins, so the verify (after the spin) sees it. Had the verify not waited,
+/// it would have seen the old tag and counted every word.
+pub fn spin_orders_later_work(dev: &dyn Device, k: &dyn TagKernels) {
+    let m = Mapping::new(dev, 1, 1, true);
+    let a = dev.create_stream().unwrap();
+    let b = dev.create_stream().unwrap();
+    let len = m.len();
+    k.fill_tag(a, m.ptr, len, 1).unwrap();
+    dev.synchronize_stream(a).unwrap();
+    k.reset_counters().unwrap();
+
+    let spin = Duration::from_millis(400);
+    let t0 = Instant::now();
+    k.spin(a, spin.as_nanos() as u64).unwrap();
+    k.verify_tag(a, m.ptr, len, 2).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    k.fill_tag(b, m.ptr, len, 2).unwrap();
+    dev.synchronize_stream(b).unwrap();
+    let b_done = t0.elapsed();
+    dev.synchronize_stream(a).unwrap();
+    let a_done = t0.elapsed();
+    assert!(a_done >= spin, "spin of {spin:?} finished after {a_done:?}");
+    assert!(
+        b_done < spin,
+        "stream B ({b_done:?}) should finish before A's spin ({spin:?}); is B blocked behind A?"
+    );
+    assert_eq!(
+        k.mismatches().unwrap(),
+        0,
+        "the verify on A ran before the spin on A had finished"
+    );
+    dev.destroy_stream(a).unwrap();
+    dev.destroy_stream(b).unwrap();
+}
+
+/// Spin keeps a stream busy about as long as asked.
+pub fn spin_takes_its_time(dev: &dyn Device, k: &dyn TagKernels) {
+    let s = dev.create_stream().unwrap();
+    let t0 = Instant::now();
+    k.spin(s, 50_000_000).unwrap();
+    dev.synchronize_stream(s).unwrap();
+    let took = t0.elapsed();
+    assert!(took >= Duration::from_millis(50), "{took:?}");
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    dev.destroy_stream(s).unwrap();
+}
+
+/// The words a fill writes are `tag_word(tag, address)`, read back through
+/// `read` (a backend-specific copy to the host).
+pub fn fill_matches_tag_word(
+    dev: &dyn Device,
+    k: &dyn TagKernels,
+    read: &dyn Fn(DevicePtr, usize) -> Vec<u32>,
+) {
+    let m = Mapping::new(dev, 1, 1, true);
+    let s = dev.create_stream().unwrap();
+    k.fill_tag(s, m.ptr, m.len(), 0x5EED).unwrap();
+    dev.synchronize_stream(s).unwrap();
+    let words = read(m.ptr, 4096);
+    for (i, w) in words.iter().enumerate() {
+        let addr = m.ptr + 4 * i as u64;
+        assert_eq!(*w, tag_word(0x5EED, addr), "word {i} at {addr:#x}");
+    }
+    dev.destroy_stream(s).unwrap();
+}
+
+/// Many fills and verifies from several threads on their own streams.
+pub fn threads_on_streams(dev: &dyn Device, k: &dyn TagKernels) {
+    let m = Mapping::new(dev, 4, 4, true);
+    let chunk = m.len() / 8;
+    k.reset_counters().unwrap();
+    std::thread::scope(|scope| {
+        for t in 0..8u32 {
+            let base = m.ptr + (t as u64) * chunk as u64;
+            scope.spawn(move || {
+                let s = dev.create_stream().unwrap();
+                for round in 0..20u32 {
+                    let tag = t * 1000 + round;
+                    k.fill_tag(s, base, chunk, tag).unwrap();
+                    k.verify_tag(s, base, chunk, tag).unwrap();
+                }
+                dev.synchronize_stream(s).unwrap();
+                dev.destroy_stream(s).unwrap();
+            });
+        }
+    });
+    assert_eq!(k.mismatches().unwrap(), 0);
+}
