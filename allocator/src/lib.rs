@@ -1,1 +1,76 @@
+//! # tidepool
+//!
+//! A stream-ordered GPU memory pool — what `cudaMallocAsync`,
+//! `cudaFreeAsync` and `cudaMemPool_t` do inside the CUDA driver — built on
+//! the driver's virtual memory management API, generic over the device
+//! boundary of [`tidepool_sys`] (CUDA, or the host stand-in for tests).
+//!
+//! ## The contract
+//! - [`MemPool::alloc_async`] returns at once with memory that work ordered
+//!   after it on the stream may use; out-of-memory is reported by the call.
+//! - [`MemPool::free_async`] returns at once; the memory is handed out again
+//!   only to work that cannot overlap with work ordered before the free.
+//! - Reuse: same stream at once; across streams when the allocating stream
+//!   waited (through [`MemPool::wait_event`]) on an event recorded after the
+//!   free, transitively; opportunistically once the free is observed
+//!   complete; or by making the allocating stream wait (internal
+//!   dependency). Each is a switch in [`ReusePolicy`].
+//! - The pool sees only dependencies made through its own calls: a raw
+//!   `cuStreamWaitEvent` is invisible to it (opportunistic reuse and internal
+//!   dependencies keep reuse safe regardless). A use on another stream than
+//!   the allocation's must be declared with [`MemPool::record_use`].
+//! - When no free range fits, completed free pages are remapped into a
+//!   contiguous virtual range before the pool grows (defragmentation).
+//!
+//! ## Streams
+//! The pool takes the backend's [`Stream`] ids, which are never reused, so a
+//! destroyed stream's state is never confused with a new stream the driver
+//! gives the same handle. A raw `CUstream` from cudarc or C is registered
+//! with the device's `adopt_stream` and retired with
+//! [`MemPool::retire_stream`] then the device's `destroy_stream`. The legacy
+//! NULL stream (`default_stream`) is an ordinary stream to the pool (the
+//! pool assumes none of its implicit synchronisation). The per-thread
+//! default stream is a different stream on every thread: adopt it once per
+//! thread and use each id only on its own thread. Allocating or freeing on a
+//! stream that is being captured into a CUDA graph is a typed error
+//! ([`PoolError::StreamCapturing`]); the pool never records or queries an
+//! event on a capturing stream.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use tidepool::{MemPool, PoolConfig};
+//! use tidepool_sys::{Device, host::{HostConfig, HostDevice}};
+//!
+//! let device = Arc::new(HostDevice::with_config(HostConfig { capacity: 64 << 20, ..Default::default() }));
+//! let pool = MemPool::new(device.clone(), PoolConfig::default().with_va_size(1 << 30))?;
+//! let (a, b) = (device.create_stream()?, device.create_stream()?);
+//! let x = pool.alloc_async(4096, a)?;
+//! let addr = x.ptr();
+//! pool.free_async(x, a)?;
+//! // b waits on an event recorded on a after the free: the pool follows it.
+//! let ev = pool.record_event(a)?;
+//! pool.wait_event(b, &ev)?;
+//! let y = pool.alloc_async(4096, b)?;
+//! assert_eq!(y.ptr(), addr);
+//! pool.free_async(y, b)?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
+mod arena;
+mod config;
+mod error;
+mod order;
+mod policy;
+mod pool;
+mod raw;
+mod registry;
+mod stats;
+pub(crate) mod sync;
+
+pub use config::{PoolConfig, ReusePolicy};
+pub use error::{OomReport, PoolError};
+pub use pool::{Allocation, FreeError, MemPool, PoolEvent, ALIGNMENT};
+#[cfg(not(loom))]
+pub use registry::default_pool;
+pub use stats::PoolStats;
+pub use tidepool_sys::{Device, DevicePtr, Stream};

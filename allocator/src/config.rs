@@ -1,0 +1,160 @@
+//! Pool configuration: what a user chooses when creating a pool.
+
+use crate::error::PoolError;
+
+/// The reuse switches of the driver's pools (all on by default, each also
+/// changeable at run time through [`crate::MemPool::set_reuse`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReusePolicy {
+    /// Reuse memory freed on stream A for stream B when B has waited,
+    /// through the pool, on an event recorded on A after the free.
+    pub follow_event_dependencies: bool,
+    /// Reuse memory whose freeing work is observed complete (event query).
+    pub opportunistic: bool,
+    /// When nothing else works, make the allocating stream wait for a
+    /// pending free instead of failing.
+    pub internal_dependencies: bool,
+    /// Last resort before out-of-memory: wait on the host, for at most
+    /// [`PoolConfig::last_resort_wait`], for pending frees to complete.
+    pub wait_for_pending_frees: bool,
+}
+
+impl Default for ReusePolicy {
+    fn default() -> Self {
+        ReusePolicy {
+            follow_event_dependencies: true,
+            opportunistic: true,
+            internal_dependencies: true,
+            wait_for_pending_frees: true,
+        }
+    }
+}
+
+/// How a pool is built. Construct with [`PoolConfig::default`] and the
+/// `with_*` methods.
+///
+/// ```
+/// use tidepool::PoolConfig;
+/// let config = PoolConfig::default()
+///     .with_release_threshold(1 << 30)
+///     .with_max_size(8 << 30);
+/// assert_eq!(config.release_threshold, 1 << 30);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolConfig {
+    /// On a pool-aware synchronise, release physical memory down to this
+    /// many bytes. Default `u64::MAX`: keep everything (as PyTorch does;
+    /// the driver's default of 0 makes every sync a cliff).
+    pub release_threshold: u64,
+    /// Reuse switches.
+    pub reuse: ReusePolicy,
+    /// Hard maximum of physical bytes the pool may hold.
+    pub max_size: Option<u64>,
+    /// Size of each piece of physical memory the pool creates, a multiple
+    /// of the device granularity (0 = the granularity). Smaller pieces let
+    /// trim and defragmentation work finely; larger ones cost fewer driver
+    /// calls per byte.
+    pub page_size: usize,
+    /// Virtual address space to reserve (0 = twice the device's memory,
+    /// at least 64 GiB). Reserving costs no memory.
+    pub va_size: usize,
+    /// Request the POSIX file-descriptor handle type for all physical
+    /// memory, so it can be exported to other processes.
+    pub exportable: bool,
+    /// Upper bound of the host wait of [`ReusePolicy::wait_for_pending_frees`].
+    pub last_resort_wait: std::time::Duration,
+    /// Bytes a stream may keep in its private cache of same-stream frees
+    /// (the lock-free-of-others fast path). 0 disables the cache.
+    pub stream_cache_bytes: usize,
+    /// Check, on every allocation, whether the stream is being captured
+    /// into a graph (one cheap driver call). Turn off only if no stream
+    /// you allocate on is ever captured.
+    pub check_capture: bool,
+    /// Other devices that get read-write access to this pool's memory.
+    pub peer_devices: Vec<i32>,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        PoolConfig {
+            release_threshold: u64::MAX,
+            reuse: ReusePolicy::default(),
+            max_size: None,
+            page_size: 0,
+            va_size: 0,
+            exportable: false,
+            last_resort_wait: std::time::Duration::from_secs(1),
+            stream_cache_bytes: 256 << 20,
+            check_capture: true,
+            peer_devices: Vec::new(),
+        }
+    }
+}
+
+impl PoolConfig {
+    /// Set the release threshold (bytes kept on synchronise).
+    pub fn with_release_threshold(mut self, bytes: u64) -> Self {
+        self.release_threshold = bytes;
+        self
+    }
+    /// Set a hard maximum size in bytes.
+    pub fn with_max_size(mut self, bytes: u64) -> Self {
+        self.max_size = Some(bytes);
+        self
+    }
+    /// Set the reuse switches.
+    pub fn with_reuse(mut self, reuse: ReusePolicy) -> Self {
+        self.reuse = reuse;
+        self
+    }
+    /// Set the physical page size (a multiple of the device granularity).
+    pub fn with_page_size(mut self, bytes: usize) -> Self {
+        self.page_size = bytes;
+        self
+    }
+    /// Set the virtual address space to reserve.
+    pub fn with_va_size(mut self, bytes: usize) -> Self {
+        self.va_size = bytes;
+        self
+    }
+    /// Create all physical memory exportable (POSIX fd handle type).
+    pub fn with_exportable(mut self, exportable: bool) -> Self {
+        self.exportable = exportable;
+        self
+    }
+    /// Set the per-stream cache size in bytes (0 disables it).
+    pub fn with_stream_cache_bytes(mut self, bytes: usize) -> Self {
+        self.stream_cache_bytes = bytes;
+        self
+    }
+    /// Give other devices read-write access to the pool's memory.
+    pub fn with_peer_devices(mut self, devices: Vec<i32>) -> Self {
+        self.peer_devices = devices;
+        self
+    }
+
+    pub(crate) fn validate(&self, granularity: usize) -> Result<(), PoolError> {
+        if granularity == 0 || !granularity.is_power_of_two() {
+            return Err(PoolError::InvalidConfig {
+                reason: format!("device granularity {granularity} is not a power of two"),
+            });
+        }
+        if self.page_size % granularity != 0 {
+            return Err(PoolError::InvalidConfig {
+                reason: format!(
+                    "page_size {} is not a multiple of the device granularity {granularity}",
+                    self.page_size
+                ),
+            });
+        }
+        if self.va_size % granularity != 0 {
+            return Err(PoolError::InvalidConfig {
+                reason: format!(
+                    "va_size {} is not a multiple of the device granularity {granularity}",
+                    self.va_size
+                ),
+            });
+        }
+        Ok(())
+    }
+}

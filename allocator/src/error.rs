@@ -1,0 +1,141 @@
+//! The pool's error type: every variant says what went wrong in terms a
+//! caller can act on.
+
+use std::fmt;
+use tidepool_sys::{DevicePtr, Stream, SysError};
+
+/// What an out-of-memory failure looked like, so a user can tell "the device
+/// is full" from "the pool is fragmented" from "the pool hit its own cap".
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OomReport {
+    /// Bytes asked for.
+    pub requested: usize,
+    /// Physical bytes the pool holds.
+    pub reserved: u64,
+    /// Bytes in live allocations.
+    pub used: u64,
+    /// Largest free range the pool could hand out without mapping.
+    pub largest_free_range: u64,
+    /// Free device memory as the driver reported it (`None` if it could not say).
+    pub device_free: Option<u64>,
+    /// The pool's hard maximum size, if one is set.
+    pub max_size: Option<u64>,
+    /// The device error that stopped growth, if growth was tried.
+    pub cause: Option<SysError>,
+}
+
+/// Errors of the pool API.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PoolError {
+    /// No memory could be found or created for the request.
+    OutOfMemory(Box<OomReport>),
+    /// A device call failed (not out-of-memory).
+    Device(SysError),
+    /// The stream is being captured into a CUDA graph; allocating on it is
+    /// not supported yet.
+    StreamCapturing { stream: Stream },
+    /// The stream was retired from this pool.
+    StreamRetired { stream: Stream },
+    /// The allocation belongs to another pool.
+    WrongPool { ptr: DevicePtr },
+    /// Raw-pointer API: this address was freed and has not been handed out since.
+    DoubleFree { ptr: DevicePtr },
+    /// Raw-pointer API: the address lies inside a live allocation but is not its start.
+    InteriorPointer { ptr: DevicePtr, base: DevicePtr },
+    /// Raw-pointer API: the pool never handed out this address.
+    UnknownPointer { ptr: DevicePtr },
+    /// Raw-pointer API: the address belongs to another tidepool pool.
+    ForeignPointer { ptr: DevicePtr, owner_pool: u64 },
+    /// The request is larger than the pool's address space could ever hold.
+    TooLarge { requested: usize, limit: usize },
+    /// A configuration value is unusable.
+    InvalidConfig { reason: String },
+}
+
+impl PoolError {
+    /// True for [`PoolError::OutOfMemory`].
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, PoolError::OutOfMemory(_))
+    }
+}
+
+fn mib(b: u64) -> f64 {
+    b as f64 / (1024.0 * 1024.0)
+}
+
+impl fmt::Display for PoolError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PoolError::OutOfMemory(r) => {
+                write!(
+                    f,
+                    "out of memory: requested {} bytes ({:.1} MiB); pool reserved {:.1} MiB, used {:.1} MiB, largest free range {:.1} MiB",
+                    r.requested,
+                    mib(r.requested as u64),
+                    mib(r.reserved),
+                    mib(r.used),
+                    mib(r.largest_free_range)
+                )?;
+                match r.device_free {
+                    Some(free) => write!(f, ", device free {:.1} MiB", mib(free))?,
+                    None => write!(f, ", device free unknown")?,
+                }
+                if let Some(max) = r.max_size {
+                    write!(f, ", pool maximum {:.1} MiB", mib(max))?;
+                }
+                if let Some(cause) = &r.cause {
+                    write!(f, " (growth failed: {cause})")?;
+                }
+                Ok(())
+            }
+            PoolError::Device(e) => write!(f, "device error: {e}"),
+            PoolError::StreamCapturing { stream } => write!(
+                f,
+                "{stream} is being captured into a CUDA graph; allocate before capture begins (graph capture is not supported yet)"
+            ),
+            PoolError::StreamRetired { stream } => {
+                write!(f, "{stream} was retired from this pool; register a live stream")
+            }
+            PoolError::WrongPool { ptr } => write!(
+                f,
+                "allocation {ptr:#x} belongs to another pool; free it through the pool that made it"
+            ),
+            PoolError::DoubleFree { ptr } => {
+                write!(f, "double free: {ptr:#x} was already freed and not allocated since")
+            }
+            PoolError::InteriorPointer { ptr, base } => write!(
+                f,
+                "{ptr:#x} points inside the allocation at {base:#x}; free the pointer the pool returned"
+            ),
+            PoolError::UnknownPointer { ptr } => {
+                write!(f, "{ptr:#x} was not allocated by this pool")
+            }
+            PoolError::ForeignPointer { ptr, owner_pool } => write!(
+                f,
+                "{ptr:#x} belongs to tidepool pool {owner_pool}, not this one"
+            ),
+            PoolError::TooLarge { requested, limit } => write!(
+                f,
+                "request of {requested} bytes exceeds the pool's address space of {limit} bytes"
+            ),
+            PoolError::InvalidConfig { reason } => write!(f, "invalid pool configuration: {reason}"),
+        }
+    }
+}
+
+impl std::error::Error for PoolError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            PoolError::Device(e) => Some(e),
+            PoolError::OutOfMemory(r) => r.cause.as_ref().map(|e| e as _),
+            _ => None,
+        }
+    }
+}
+
+impl From<SysError> for PoolError {
+    fn from(e: SysError) -> Self {
+        PoolError::Device(e)
+    }
+}

@@ -1,0 +1,175 @@
+//! Stream-order bookkeeping: what the pool knows about each stream.
+//!
+//! Every free on a stream gets the stream's current *epoch*. Recording an
+//! event on the stream closes the epoch: once that event completes, every
+//! free of that epoch and earlier is done on the device. A stream's vector
+//! clock says, for each other stream, up to which epoch it has waited (through
+//! the pool) — transitively, because waiting on an event merges the clock the
+//! recording stream had. "Follow event dependencies" is then a comparison.
+
+use crate::sync::Arc;
+use std::collections::{HashMap, VecDeque};
+use tidepool_sys::{Event, Stream};
+
+/// For each stream id, the highest epoch known to be ordered before.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct VectorClock {
+    entries: Vec<(u64, u64)>,
+}
+
+impl VectorClock {
+    pub fn get(&self, stream: u64) -> u64 {
+        self.entries
+            .iter()
+            .find(|(s, _)| *s == stream)
+            .map_or(0, |(_, e)| *e)
+    }
+
+    pub fn raise(&mut self, stream: u64, epoch: u64) {
+        match self.entries.iter_mut().find(|(s, _)| *s == stream) {
+            Some((_, e)) => *e = (*e).max(epoch),
+            None => self.entries.push((stream, epoch)),
+        }
+    }
+
+    pub fn merge(&mut self, other: &VectorClock) {
+        for &(s, e) in &other.entries {
+            self.raise(s, e);
+        }
+    }
+}
+
+/// Where an event goes when nobody needs it any more (recycled or destroyed
+/// by the pool that owns the device).
+pub(crate) trait EventSink: Send + Sync {
+    fn release(&self, event: Event);
+}
+
+/// An event the pool recorded on a stream, closing `epoch` on it.
+pub(crate) struct EventRecord {
+    pub event: Event,
+    pub stream: Stream,
+    pub epoch: u64,
+    /// The recording stream's clock at the record, including itself at `epoch`.
+    pub clock: VectorClock,
+    pub sink: Arc<dyn EventSink>,
+}
+
+impl Drop for EventRecord {
+    fn drop(&mut self) {
+        self.sink.release(self.event);
+    }
+}
+
+impl std::fmt::Debug for EventRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EventRecord")
+            .field("event", &self.event)
+            .field("stream", &self.stream)
+            .field("epoch", &self.epoch)
+            .finish()
+    }
+}
+
+/// A block freed on a stream and kept in that stream's private cache.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CachedBlock {
+    pub offset: usize,
+    pub epoch: u64,
+}
+
+/// Per-stream state, behind the stream's own lock (never the arena's).
+#[derive(Debug)]
+pub(crate) struct StreamState {
+    pub stream: Stream,
+    pub retired: bool,
+    /// Frees made now belong to this epoch.
+    pub epoch: u64,
+    /// Whether a free happened in the current epoch (an event must be
+    /// recorded to learn when it completes).
+    pub frees_in_epoch: bool,
+    /// What this stream has waited on through the pool.
+    pub clock: VectorClock,
+    /// Events recorded on this stream, not yet observed complete, oldest first.
+    pub recorded: VecDeque<Arc<EventRecord>>,
+    /// Same-stream frees kept for reuse by this stream, by block length.
+    pub cache: HashMap<usize, Vec<CachedBlock>>,
+    pub cached_bytes: usize,
+}
+
+impl StreamState {
+    pub fn new(stream: Stream) -> Self {
+        StreamState {
+            stream,
+            retired: false,
+            epoch: 1,
+            frees_in_epoch: false,
+            clock: VectorClock::default(),
+            recorded: VecDeque::new(),
+            cache: HashMap::new(),
+            cached_bytes: 0,
+        }
+    }
+
+    /// Close the current epoch with a freshly recorded event.
+    pub fn close_epoch(&mut self, event: Event, sink: Arc<dyn EventSink>) -> Arc<EventRecord> {
+        let epoch = self.epoch;
+        let mut clock = self.clock.clone();
+        clock.raise(self.stream.id(), epoch);
+        let record = Arc::new(EventRecord {
+            event,
+            stream: self.stream,
+            epoch,
+            clock,
+            sink,
+        });
+        self.recorded.push_back(record.clone());
+        self.epoch += 1;
+        self.frees_in_epoch = false;
+        record
+    }
+
+    /// Close the current epoch because the host is about to synchronise
+    /// the stream: every free of the returned epoch and earlier will be done
+    /// when the synchronisation returns.
+    pub fn close_epoch_synced(&mut self) -> u64 {
+        let epoch = self.epoch;
+        self.epoch += 1;
+        self.frees_in_epoch = false;
+        epoch
+    }
+
+    /// The first recorded, not-yet-complete event that covers `epoch`.
+    pub fn event_covering(&self, epoch: u64) -> Option<Arc<EventRecord>> {
+        self.recorded.iter().find(|r| r.epoch >= epoch).cloned()
+    }
+
+    /// Take every cached block out (for the arena).
+    pub fn drain_cache(&mut self) -> Vec<(usize, CachedBlock)> {
+        let mut out = Vec::new();
+        for (len, blocks) in self.cache.drain() {
+            out.extend(blocks.into_iter().map(|b| (len, b)));
+        }
+        self.cached_bytes = 0;
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vector_clock_merge_takes_maximum_per_stream() {
+        let mut a = VectorClock::default();
+        a.raise(1, 5);
+        a.raise(2, 1);
+        let mut b = VectorClock::default();
+        b.raise(2, 7);
+        b.raise(3, 2);
+        a.merge(&b);
+        assert_eq!((a.get(1), a.get(2), a.get(3), a.get(4)), (5, 7, 2, 0));
+        a.raise(1, 3);
+        assert_eq!(a.get(1), 5, "raise never lowers");
+    }
+}

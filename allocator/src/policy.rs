@@ -1,0 +1,542 @@
+//! The reuse policy: where an allocation looks for memory, in order.
+//!
+//! This file is the one place that decides. The order (DESIGN §1):
+//! 1. the allocating stream's own frees (no event, no query);
+//! 2. frees the stream is already ordered after, through waits made via the
+//!    pool (vector clocks) or a host synchronisation;
+//! 3. frees observed complete (event query; opportunistic);
+//! 4. stitching: completed, wholly free pages are unmapped from where they
+//!    sit and mapped into a contiguous virtual range;
+//! 5. growth: new physical pages, mapped in place;
+//! 6. on growth failure, other pools of the device release their cached
+//!    memory, then growth again;
+//! 7. internal dependency: the stream waits for a pending free and takes it;
+//! 8. last resort: wait on the host, bounded, for pending frees;
+//! 9. out-of-memory.
+//!
+//! Map, unmap and release act immediately, not in stream order, so steps 4,
+//! 5 and trimming only ever touch memory whose frees are known complete.
+
+use crate::arena::{Arena, Guard};
+use crate::config::ReusePolicy;
+use crate::error::{OomReport, PoolError};
+use crate::order::VectorClock;
+use crate::pool::{PoolInner, StreamEntry};
+use crate::stats::Counters;
+use crate::sync::{lock, Arc, MutexGuard, Ordering};
+use std::collections::HashMap;
+use std::time::Instant;
+use tidepool_sys::{Device, PhysicalOptions, Stream, SysError};
+
+/// The arena and what the pool has learnt about completion, under one lock.
+#[derive(Debug)]
+pub(crate) struct ArenaState {
+    pub arena: Arena,
+    /// Per stream: highest epoch whose frees were observed complete by an
+    /// event query.
+    pub completed: HashMap<u64, u64>,
+    /// Per stream: highest epoch the host synchronised with (everything
+    /// issued afterwards, on any stream, is ordered after it).
+    pub synced: HashMap<u64, u64>,
+}
+
+impl ArenaState {
+    pub fn new(arena: Arena) -> Self {
+        ArenaState {
+            arena,
+            completed: HashMap::new(),
+            synced: HashMap::new(),
+        }
+    }
+
+    fn known(map: &HashMap<u64, u64>, stream: u64) -> u64 {
+        map.get(&stream).copied().unwrap_or(0)
+    }
+
+    /// Whether the device work before a free is known to be done (the only
+    /// condition under which its memory may be unmapped or released).
+    pub fn is_complete(&self, guard: Guard) -> bool {
+        match guard {
+            Guard::Complete => true,
+            Guard::After { stream, epoch } => {
+                Self::known(&self.completed, stream) >= epoch
+                    || Self::known(&self.synced, stream) >= epoch
+            }
+        }
+    }
+
+    /// Steps 1–3: may `me`, whose waits are `clock`, reuse memory under
+    /// `guard` now? `Some(class)`, lower is preferred; `None` = not yet.
+    pub fn classify(
+        &self,
+        guard: Guard,
+        me: u64,
+        clock: &VectorClock,
+        reuse: ReusePolicy,
+    ) -> Option<u8> {
+        match guard {
+            Guard::Complete => Some(0),
+            // 1. Own stream: stream order alone makes it safe.
+            Guard::After { stream, .. } if stream == me => Some(0),
+            // 2. Ordered before us by a host synchronisation...
+            Guard::After { stream, epoch } if Self::known(&self.synced, stream) >= epoch => {
+                Some(1)
+            }
+            // ...or by event waits made through the pool (transitively).
+            Guard::After { stream, epoch }
+                if reuse.follow_event_dependencies && clock.get(stream) >= epoch =>
+            {
+                Some(1)
+            }
+            // 3. Observed complete, no dependency added.
+            Guard::After { stream, epoch }
+                if reuse.opportunistic && Self::known(&self.completed, stream) >= epoch =>
+            {
+                Some(2)
+            }
+            Guard::After { .. } => None,
+        }
+    }
+}
+
+/// Why mapping memory for a request failed.
+enum MapFailure {
+    /// No virtual window is large enough.
+    NoWindow,
+    /// The pool's maximum size stops growth.
+    Capped,
+    /// The device is out of memory.
+    DeviceOom(SysError),
+    /// Another device error.
+    Device(SysError),
+}
+
+type State<'a> = MutexGuard<'a, ArenaState>;
+
+impl<D: Device> PoolInner<D> {
+    /// Find `len` bytes for `stream` (its private cache already missed).
+    /// Returns the offset of the block in the arena.
+    pub(crate) fn acquire(
+        &self,
+        len: usize,
+        stream: Stream,
+        entry: &Arc<StreamEntry>,
+    ) -> Result<usize, PoolError> {
+        let me = stream.id();
+        let reuse = self.reuse();
+        let clock = lock(&entry.state).clock.clone();
+        let mut st = lock(&self.arena);
+
+        // Steps 1–3 on what the pool already knows.
+        if let Some(off) = fit(&mut st, len, me, &clock, reuse) {
+            return Ok(off);
+        }
+        // Step 3 after asking the device which frees completed, and after
+        // the streams' private caches join the arena (so that neither
+        // stitching nor growth happens while a fitting free range exists).
+        self.observe_completions(&mut st);
+        self.flush_caches(&mut st);
+        if let Some(off) = fit(&mut st, len, me, &clock, reuse) {
+            return Ok(off);
+        }
+        // Steps 4–5: stitch completed free pages, grow.
+        let mut cause = None;
+        match self.map_window(&mut st, len, me, &clock, reuse) {
+            Ok(off) => return Ok(off),
+            Err(MapFailure::DeviceOom(e)) => {
+                // Step 6: other pools of the device give back their cache.
+                drop(st);
+                let freed = crate::registry::release_other_pools(self);
+                tracing::debug!(pool = self.id, freed, "released other pools' cached memory");
+                st = lock(&self.arena);
+                match self.map_window(&mut st, len, me, &clock, reuse) {
+                    Ok(off) => return Ok(off),
+                    Err(MapFailure::DeviceOom(e2)) => cause = Some(e2),
+                    Err(MapFailure::Device(e)) => return Err(e.into()),
+                    Err(_) => cause = Some(e),
+                }
+            }
+            Err(MapFailure::Device(e)) => return Err(e.into()),
+            Err(MapFailure::Capped) | Err(MapFailure::NoWindow) => {}
+        }
+        // Step 7: internal dependency on a pending free.
+        if reuse.internal_dependencies {
+            if let Some(off) = self.take_with_dependency(&mut st, len, stream, entry)? {
+                return Ok(off);
+            }
+        }
+        // Step 8: bounded host wait for pending frees, then try again.
+        if reuse.wait_for_pending_frees && self.wait_for_pending(&mut st) {
+            if let Some(off) = fit(&mut st, len, me, &clock, reuse) {
+                return Ok(off);
+            }
+            match self.map_window(&mut st, len, me, &clock, reuse) {
+                Ok(off) => return Ok(off),
+                Err(MapFailure::DeviceOom(e)) => cause = Some(e),
+                Err(MapFailure::Device(e)) => return Err(e.into()),
+                Err(_) => {}
+            }
+        }
+        // Step 9.
+        Err(self.oom(&st, len, cause))
+    }
+
+    fn oom(&self, st: &ArenaState, len: usize, cause: Option<SysError>) -> PoolError {
+        PoolError::OutOfMemory(Box::new(OomReport {
+            requested: len,
+            reserved: st.arena.reserved,
+            used: self.counters.used_current.load(Ordering::Relaxed),
+            largest_free_range: st.arena.largest_free() as u64,
+            device_free: self.device.mem_info().ok().map(|m| m.free as u64),
+            max_size: self.config.max_size,
+            cause,
+        }))
+    }
+
+    /// Record events lazily on streams with uncovered frees, query the
+    /// recorded events, and upgrade guards that are now known complete.
+    pub(crate) fn observe_completions(&self, st: &mut State<'_>) {
+        let opportunistic = self.reuse().opportunistic;
+        for (id, entry) in self.all_streams() {
+            let mut s = lock(&entry.state);
+            if s.frees_in_epoch && !s.retired && !self.device.is_capturing(s.stream).unwrap_or(true) {
+                if let Ok(ev) = self.events.acquire() {
+                    if self.device.record_event(ev, s.stream).is_ok() {
+                        s.close_epoch(ev, self.events.clone());
+                    } else {
+                        use crate::order::EventSink;
+                        self.events.release(ev);
+                    }
+                }
+            }
+            while let Some(front) = s.recorded.front() {
+                match self.device.query_event(front.event) {
+                    Ok(true) => {
+                        let done = front.epoch;
+                        s.recorded.pop_front();
+                        let e = st.completed.entry(id).or_insert(0);
+                        *e = (*e).max(done);
+                    }
+                    _ => break,
+                }
+            }
+        }
+        let ArenaState {
+            arena,
+            completed,
+            synced,
+        } = &mut **st;
+        arena.settle(|g| match g {
+            Guard::After { stream, epoch }
+                if synced.get(&stream).is_some_and(|&e| e >= epoch)
+                    || (opportunistic && completed.get(&stream).is_some_and(|&e| e >= epoch)) =>
+            {
+                Some(Guard::Complete)
+            }
+            _ => None,
+        });
+    }
+
+    /// Move every stream's privately cached frees into the arena.
+    pub(crate) fn flush_caches(&self, st: &mut State<'_>) -> usize {
+        let mut moved = 0;
+        for (id, entry) in self.all_streams() {
+            let drained = lock(&entry.state).drain_cache();
+            moved += drained.len();
+            for (len, b) in drained {
+                st.arena.give_back(
+                    b.offset,
+                    len,
+                    Guard::After {
+                        stream: id,
+                        epoch: b.epoch,
+                    },
+                );
+            }
+        }
+        moved
+    }
+
+    /// Steps 4 and 5: choose a virtual window around a hole, fill its
+    /// unmapped pages with spare pages, completed idle pages moved from
+    /// elsewhere, or new pages, and hand out the block.
+    fn map_window(
+        &self,
+        st: &mut State<'_>,
+        len: usize,
+        me: u64,
+        clock: &VectorClock,
+        reuse: ReusePolicy,
+    ) -> Result<usize, MapFailure> {
+        let page = st.arena.page;
+        // (pages to map, window length, start)
+        let mut best: Option<(usize, usize, usize)> = None;
+        for (ho, hl) in st.arena.holes() {
+            let usable = |g: Guard| st.classify(g, me, clock, reuse).is_some();
+            let mut left = ho;
+            if let Some((fo, fr)) = st.arena.free_ending_at(ho) {
+                if usable(fr.guard) {
+                    left = fo;
+                }
+            }
+            let mut right = ho + hl;
+            if let Some(fr) = st.arena.free_at(ho + hl) {
+                if usable(fr.guard) {
+                    right = ho + hl + fr.len;
+                }
+            }
+            if right - left < len {
+                continue;
+            }
+            for start in [left, right - len] {
+                let lo = start.max(ho);
+                let hi = (start + len).min(ho + hl);
+                let need = if hi > lo { (hi - 1) / page - lo / page + 1 } else { 0 };
+                let cand = (need, right - left, start);
+                if best.is_none_or(|b| (cand.0, cand.1) < (b.0, b.1)) {
+                    best = Some(cand);
+                }
+            }
+        }
+        let (need, _, start) = best.ok_or(MapFailure::NoWindow)?;
+        let end = start + len;
+        let targets: Vec<usize> = (start / page..=(end - 1) / page)
+            .filter(|&p| !st.arena.is_mapped(p))
+            .collect();
+        debug_assert_eq!(targets.len(), need);
+
+        // Physical pages: spare ones first, then completed idle pages moved
+        // from elsewhere (stitching), then new ones (growth).
+        let mut got: Vec<usize> = Vec::with_capacity(need);
+        while got.len() < need {
+            match st.arena.spare.pop() {
+                Some(i) => got.push(i),
+                None => break,
+            }
+        }
+        if got.len() < need {
+            let block_pages = start / page..=(end - 1) / page;
+            let victims: Vec<usize> = st
+                .arena
+                .idle_pages()
+                .filter(|p| !block_pages.contains(p))
+                .filter(|&p| st.arena.page_guards(p).into_iter().all(|g| st.is_complete(g)))
+                .take(need - got.len())
+                .collect();
+            for p in victims {
+                let ptr = self.base + (p * page) as u64;
+                if let Err(e) = self.device.unmap(ptr, page) {
+                    st.arena.spare.extend(got);
+                    return Err(MapFailure::Device(e));
+                }
+                let i = st.arena.unmapped(p);
+                st.arena.remaps += 1;
+                got.push(i);
+            }
+        }
+        while got.len() < need {
+            if let Some(max) = self.config.max_size {
+                if st.arena.reserved + page as u64 > max {
+                    st.arena.spare.extend(got);
+                    return Err(MapFailure::Capped);
+                }
+            }
+            let opts = PhysicalOptions {
+                exportable: self.config.exportable,
+            };
+            match self.device.create_physical(page, opts) {
+                Ok(handle) => {
+                    let i = st.arena.phys.insert(crate::arena::PhysPage { handle, at: None });
+                    st.arena.reserved += page as u64;
+                    st.arena.reserved_high = st.arena.reserved_high.max(st.arena.reserved);
+                    st.arena.growths += 1;
+                    got.push(i);
+                }
+                Err(e) => {
+                    st.arena.spare.extend(got);
+                    return Err(if e.is_out_of_memory() {
+                        MapFailure::DeviceOom(e)
+                    } else {
+                        MapFailure::Device(e)
+                    });
+                }
+            }
+        }
+        if need > 0 {
+            tracing::debug!(pool = self.id, pages = need, len, "mapping pages for a request");
+        }
+        for p in targets {
+            let i = got.pop().expect("one physical page per target");
+            let ptr = self.base + (p * page) as u64;
+            let handle = st.arena.phys[i].handle;
+            if let Err(e) = self.device.map(ptr, page, handle, 0) {
+                got.push(i);
+                st.arena.spare.extend(got);
+                return Err(MapFailure::Device(e));
+            }
+            if let Err(e) = self.device.set_access(ptr, page, &self.access) {
+                if let Err(e2) = self.device.unmap(ptr, page) {
+                    tracing::warn!(error = %e2, "unmap after failed set_access failed");
+                }
+                got.push(i);
+                st.arena.spare.extend(got);
+                return Err(MapFailure::Device(e));
+            }
+            st.arena.mapped(p, i);
+        }
+        st.arena.take(start, len);
+        Ok(start)
+    }
+
+    /// Step 7: take a pending free after making `stream` wait for it.
+    fn take_with_dependency(
+        &self,
+        st: &mut State<'_>,
+        len: usize,
+        stream: Stream,
+        entry: &Arc<StreamEntry>,
+    ) -> Result<Option<usize>, PoolError> {
+        let me = stream.id();
+        let clock = lock(&entry.state).clock.clone();
+        let reuse = self.reuse();
+        // Pending frees of other streams, best fit first.
+        let mut candidates: Vec<(usize, usize, Guard)> = st
+            .arena
+            .free_ranges()
+            .filter(|(_, r)| r.len >= len && st.classify(r.guard, me, &clock, reuse).is_none())
+            .map(|(o, r)| (r.len, o, r.guard))
+            .collect();
+        candidates.sort_unstable_by_key(|&(l, o, _)| (l, o));
+        let streams = self.streams.read().unwrap_or_else(|p| p.into_inner()).clone();
+        for (_, off, guard) in candidates {
+            let Guard::After { stream: donor, epoch } = guard else {
+                continue;
+            };
+            let Some(donor_entry) = streams.get(&donor) else {
+                continue;
+            };
+            let record = {
+                let mut d = lock(&donor_entry.state);
+                match d.event_covering(epoch) {
+                    Some(r) => Some(r),
+                    None if d.epoch == epoch
+                        && !d.retired
+                        && !self.device.is_capturing(d.stream).unwrap_or(true) =>
+                    {
+                        let ev = self.events.acquire()?;
+                        match self.device.record_event(ev, d.stream) {
+                            Ok(()) => Some(d.close_epoch(ev, self.events.clone())),
+                            Err(_) => {
+                                use crate::order::EventSink;
+                                self.events.release(ev);
+                                None
+                            }
+                        }
+                    }
+                    None => None,
+                }
+            };
+            let Some(record) = record else { continue };
+            self.device.wait_event(stream, record.event)?;
+            lock(&entry.state).clock.merge(&record.clock);
+            Counters::bump(&self.counters.internal_dependencies);
+            tracing::debug!(pool = self.id, stream = me, donor, len, "inserted an internal dependency");
+            st.arena.take(off, len);
+            return Ok(Some(off));
+        }
+        Ok(None)
+    }
+
+    /// Step 8: wait on the host, at most `last_resort_wait`, for pending
+    /// frees to complete. True if anything completed.
+    fn wait_for_pending(&self, st: &mut State<'_>) -> bool {
+        let deadline = Instant::now() + self.config.last_resort_wait;
+        self.observe_completions(st);
+        let mut progressed = false;
+        for (id, entry) in self.all_streams() {
+            let pending: Vec<_> = lock(&entry.state).recorded.iter().cloned().collect();
+            for rec in pending {
+                loop {
+                    match self.device.query_event(rec.event) {
+                        Ok(true) => {
+                            let e = st.synced.entry(id).or_insert(0);
+                            *e = (*e).max(rec.epoch);
+                            progressed = true;
+                            break;
+                        }
+                        Ok(false) if Instant::now() < deadline => {
+                            std::thread::sleep(std::time::Duration::from_micros(50))
+                        }
+                        _ => break,
+                    }
+                }
+            }
+        }
+        if progressed {
+            tracing::debug!(pool = self.id, "host wait let pending frees complete");
+            self.observe_completions(st);
+        }
+        progressed
+    }
+
+    /// Host-synchronised up to `epoch` on stream `id`.
+    pub(crate) fn mark_synced(&self, id: u64, epoch: u64) {
+        let mut st = lock(&self.arena);
+        let e = st.synced.entry(id).or_insert(0);
+        *e = (*e).max(epoch);
+    }
+
+    /// Release physical memory until at most `target` bytes are held.
+    pub(crate) fn trim_to(&self, target: u64) -> Result<u64, PoolError> {
+        let mut st = lock(&self.arena);
+        self.flush_caches(&mut st);
+        self.observe_completions(&mut st);
+        let page = st.arena.page;
+        let mut released = 0u64;
+        while st.arena.reserved > target {
+            let i = match st.arena.spare.pop() {
+                Some(i) => i,
+                None => {
+                    let victim = st
+                        .arena
+                        .idle_pages()
+                        .find(|&p| st.arena.page_guards(p).into_iter().all(|g| st.is_complete(g)));
+                    let Some(p) = victim else { break };
+                    self.device.unmap(self.base + (p * page) as u64, page)?;
+                    st.arena.unmapped(p)
+                }
+            };
+            let phys = st.arena.phys.remove(i);
+            if let Err(e) = self.device.release_physical(phys.handle) {
+                // Keep the bookkeeping true: the page is still ours.
+                let i = st.arena.phys.insert(phys);
+                st.arena.spare.push(i);
+                return Err(e.into());
+            }
+            st.arena.reserved -= page as u64;
+            st.arena.releases += 1;
+            released += page as u64;
+        }
+        if released > 0 {
+            tracing::debug!(pool = self.id, released, target, "trimmed");
+        }
+        Ok(released)
+    }
+}
+
+/// Steps 1–3: best fit among free ranges usable now.
+fn fit(
+    st: &mut State<'_>,
+    len: usize,
+    me: u64,
+    clock: &VectorClock,
+    reuse: ReusePolicy,
+) -> Option<usize> {
+    let (off, _) = {
+        let s: &ArenaState = st;
+        s.arena
+            .find_fit(len, |g| s.classify(g, me, clock, reuse))?
+    };
+    st.arena.take(off, len);
+    Some(off)
+}

@@ -1,0 +1,729 @@
+//! The public pool: `MemPool`, its allocations and events.
+
+use crate::arena::{Arena, Guard};
+use crate::config::{PoolConfig, ReusePolicy};
+use crate::error::PoolError;
+use crate::order::{EventRecord, EventSink, StreamState};
+use crate::policy::ArenaState;
+use crate::raw::RawTable;
+use crate::stats::{Counters, PoolStats};
+use crate::sync::{lock, Arc, AtomicBool, AtomicU64, Mutex, Ordering, RwLock};
+use std::collections::HashMap;
+use std::fmt;
+use tidepool_sys::{Access, AccessDesc, Device, DevicePtr, Event, Stream, SysResult};
+
+/// Alignment of every pointer the pool hands out (CUDA guarantees 256).
+pub const ALIGNMENT: usize = 512;
+
+static NEXT_POOL_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+/// Memory handed out by [`MemPool::alloc_async`].
+///
+/// Give it back with [`MemPool::free_async`], which takes it by value, so a
+/// double free does not compile. Dropping it without freeing leaks the
+/// memory until the pool is dropped (the pool cannot know when device work
+/// on it ends).
+#[must_use = "an allocation that is dropped without free_async leaks until the pool is dropped"]
+pub struct Allocation {
+    pub(crate) ptr: DevicePtr,
+    pub(crate) size: usize,
+    pub(crate) len: usize,
+    pub(crate) stream: Stream,
+    pub(crate) pool: u64,
+    pub(crate) uses: Vec<Stream>,
+}
+
+impl Allocation {
+    /// Device address (aligned to [`ALIGNMENT`]; 0 for a zero-size allocation).
+    pub fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+    /// Bytes requested.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+    /// The stream it was allocated on.
+    pub fn stream(&self) -> Stream {
+        self.stream
+    }
+    /// Streams declared with [`MemPool::record_use`].
+    pub fn uses(&self) -> &[Stream] {
+        &self.uses
+    }
+}
+
+impl fmt::Debug for Allocation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Allocation")
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("size", &self.size)
+            .field("stream", &self.stream)
+            .finish()
+    }
+}
+
+/// A failed [`MemPool::free_async`]: the allocation comes back untouched,
+/// so nothing is lost and the free can be retried.
+#[derive(Debug)]
+pub struct FreeError {
+    pub error: PoolError,
+    pub allocation: Allocation,
+}
+
+impl fmt::Display for FreeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "free of {:#x} failed: {}", self.allocation.ptr, self.error)
+    }
+}
+
+impl std::error::Error for FreeError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.error)
+    }
+}
+
+impl From<FreeError> for PoolError {
+    fn from(e: FreeError) -> Self {
+        e.error
+    }
+}
+
+/// An event recorded through the pool ([`MemPool::record_event`]). Waiting
+/// on it through the pool ([`MemPool::wait_event`]) is what lets the pool
+/// follow the dependency.
+#[derive(Clone)]
+pub struct PoolEvent {
+    pub(crate) record: Arc<EventRecord>,
+    pub(crate) pool: u64,
+}
+
+impl PoolEvent {
+    /// The stream the event was recorded on.
+    pub fn stream(&self) -> Stream {
+        self.record.stream
+    }
+    /// The device event (for waits the pool need not see).
+    pub fn raw(&self) -> Event {
+        self.record.event
+    }
+}
+
+impl fmt::Debug for PoolEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PoolEvent")
+            .field("stream", &self.record.stream)
+            .field("epoch", &self.record.epoch)
+            .finish()
+    }
+}
+
+/// Recycles the pool's device events (an event create+destroy costs about
+/// as much as a record).
+pub(crate) struct EventRecycler<D: Device> {
+    device: Arc<D>,
+    free: Mutex<Vec<Event>>,
+}
+
+impl<D: Device> EventRecycler<D> {
+    pub fn acquire(&self) -> SysResult<Event> {
+        if let Some(e) = lock(&self.free).pop() {
+            return Ok(e);
+        }
+        self.device.create_event()
+    }
+}
+
+impl<D: Device> EventSink for EventRecycler<D> {
+    fn release(&self, event: Event) {
+        let mut free = lock(&self.free);
+        if free.len() < 256 {
+            free.push(event);
+            return;
+        }
+        drop(free);
+        if let Err(e) = self.device.destroy_event(event) {
+            tracing::warn!(error = %e, "destroying a pool event failed");
+        }
+    }
+}
+
+impl<D: Device> Drop for EventRecycler<D> {
+    fn drop(&mut self) {
+        for e in lock(&self.free).drain(..) {
+            if let Err(err) = self.device.destroy_event(e) {
+                tracing::warn!(error = %err, "destroying a pool event failed");
+            }
+        }
+    }
+}
+
+pub(crate) struct StreamEntry {
+    pub state: Mutex<StreamState>,
+}
+
+pub(crate) struct PoolInner<D: Device> {
+    pub id: u64,
+    pub device: Arc<D>,
+    pub base: DevicePtr,
+    pub va_size: usize,
+    pub config: PoolConfig,
+    pub access: Vec<AccessDesc>,
+    follow: AtomicBool,
+    opportunistic: AtomicBool,
+    internal: AtomicBool,
+    wait_pending: AtomicBool,
+    release_threshold: AtomicU64,
+    pub arena: Mutex<ArenaState>,
+    pub streams: RwLock<HashMap<u64, Arc<StreamEntry>>>,
+    pub counters: Counters,
+    pub events: Arc<EventRecycler<D>>,
+    pub raw: RawTable,
+}
+
+/// A stream-ordered memory pool over a [`Device`].
+///
+/// Cheap to clone (all clones are the same pool) and safe to share between
+/// threads. See the crate documentation for the contract.
+///
+/// ```
+/// use std::sync::Arc;
+/// use tidepool::{MemPool, PoolConfig};
+/// use tidepool_sys::{Device, host::{HostConfig, HostDevice}};
+///
+/// let device = Arc::new(HostDevice::with_config(HostConfig { capacity: 64 << 20, ..Default::default() }));
+/// let pool = MemPool::new(device.clone(), PoolConfig::default().with_va_size(1 << 30))?;
+/// let stream = device.create_stream()?;
+/// let a = pool.alloc_async(1000, stream)?;
+/// assert_eq!(a.ptr() % 512, 0);
+/// pool.free_async(a, stream)?;
+/// let b = pool.alloc_async(1000, stream)?; // same-stream reuse, no event needed
+/// pool.free_async(b, stream)?;
+/// assert_eq!(pool.stats().used_current, 0);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct MemPool<D: Device> {
+    pub(crate) inner: Arc<PoolInner<D>>,
+}
+
+impl<D: Device> Clone for MemPool<D> {
+    fn clone(&self) -> Self {
+        MemPool {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<D: Device> fmt::Debug for MemPool<D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemPool")
+            .field("id", &self.inner.id)
+            .field("backend", &self.inner.device.backend_name())
+            .field("base", &format_args!("{:#x}", self.inner.base))
+            .finish()
+    }
+}
+
+fn round_up(n: usize, to: usize) -> Option<usize> {
+    n.checked_add(to - 1).map(|v| v / to * to)
+}
+
+impl<D: Device> MemPool<D> {
+    /// Create a pool on `device`: reserves its virtual address space (no
+    /// memory yet).
+    pub fn new(device: Arc<D>, config: PoolConfig) -> Result<Self, PoolError> {
+        let gran = device.granularity();
+        config.validate(gran)?;
+        let page = if config.page_size == 0 {
+            gran
+        } else {
+            config.page_size
+        };
+        let va_size = if config.va_size == 0 {
+            let total = device.mem_info().map(|m| m.total).unwrap_or(0);
+            round_up(total.saturating_mul(2).max(64 << 30), page).unwrap_or(64 << 30)
+        } else {
+            round_up(config.va_size, page).ok_or_else(|| PoolError::InvalidConfig {
+                reason: "va_size overflows".into(),
+            })?
+        };
+        let base = device.reserve_va(va_size, page)?;
+        let mut access = vec![AccessDesc {
+            device: device.ordinal(),
+            access: Access::ReadWrite,
+        }];
+        for &peer in &config.peer_devices {
+            if peer != device.ordinal() {
+                access.push(AccessDesc {
+                    device: peer,
+                    access: Access::ReadWrite,
+                });
+            }
+        }
+        let id = NEXT_POOL_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let reuse = config.reuse;
+        let inner = Arc::new(PoolInner {
+            id,
+            base,
+            va_size,
+            access,
+            follow: AtomicBool::new(reuse.follow_event_dependencies),
+            opportunistic: AtomicBool::new(reuse.opportunistic),
+            internal: AtomicBool::new(reuse.internal_dependencies),
+            wait_pending: AtomicBool::new(reuse.wait_for_pending_frees),
+            release_threshold: AtomicU64::new(config.release_threshold),
+            arena: Mutex::new(ArenaState::new(Arena::new(va_size, page))),
+            streams: RwLock::new(HashMap::new()),
+            counters: Counters::default(),
+            events: Arc::new(EventRecycler {
+                device: device.clone(),
+                free: Mutex::new(Vec::new()),
+            }),
+            raw: RawTable::default(),
+            device,
+            config,
+        });
+        crate::registry::register(&inner);
+        tracing::debug!(pool = id, base, va_size, page, "pool created");
+        Ok(MemPool { inner })
+    }
+
+    /// This pool's id (unique in the process).
+    pub fn id(&self) -> u64 {
+        self.inner.id
+    }
+
+    /// The device the pool allocates on.
+    pub fn device(&self) -> &Arc<D> {
+        &self.inner.device
+    }
+
+    /// Whether `ptr` lies in this pool's address range.
+    pub fn contains(&self, ptr: DevicePtr) -> bool {
+        ptr >= self.inner.base && ptr < self.inner.base + self.inner.va_size as u64
+    }
+
+    /// Allocate `size` bytes for work ordered after this call on `stream`.
+    ///
+    /// Returns at once; the memory may still be in use by work ordered
+    /// before this call on `stream` (that is the point), never by work that
+    /// could overlap with later work on `stream`. Out-of-memory is reported
+    /// here, never later. Size 0 succeeds with a null pointer, which
+    /// [`free_async`](Self::free_async) accepts.
+    pub fn alloc_async(&self, size: usize, stream: Stream) -> Result<Allocation, PoolError> {
+        let inner = &*self.inner;
+        if size == 0 {
+            inner.counters.on_alloc(0, false);
+            return Ok(Allocation {
+                ptr: 0,
+                size: 0,
+                len: 0,
+                stream,
+                pool: inner.id,
+                uses: Vec::new(),
+            });
+        }
+        let len = match round_up(size, ALIGNMENT) {
+            Some(len) if len <= inner.va_size => len,
+            _ => {
+                return Err(PoolError::TooLarge {
+                    requested: size,
+                    limit: inner.va_size,
+                })
+            }
+        };
+        if inner.config.check_capture && inner.device.is_capturing(stream)? {
+            return Err(PoolError::StreamCapturing { stream });
+        }
+        let entry = inner.entry(stream)?;
+        {
+            let mut st = lock(&entry.state);
+            if st.retired {
+                return Err(PoolError::StreamRetired { stream });
+            }
+            if let Some(block) = st.cache.get_mut(&len).and_then(Vec::pop) {
+                st.cached_bytes -= len;
+                drop(st);
+                inner.counters.on_alloc(size as u64, true);
+                tracing::trace!(pool = inner.id, size, stream = stream.id(), "alloc (stream cache)");
+                return Ok(Allocation {
+                    ptr: inner.base + block.offset as u64,
+                    size,
+                    len,
+                    stream,
+                    pool: inner.id,
+                    uses: Vec::new(),
+                });
+            }
+        }
+        let offset = match inner.acquire(len, stream, &entry) {
+            Ok(off) => off,
+            Err(e) => {
+                if e.is_out_of_memory() {
+                    Counters::bump(&inner.counters.ooms);
+                    tracing::warn!(pool = inner.id, size, stream = stream.id(), error = %e, "allocation failed");
+                }
+                return Err(e);
+            }
+        };
+        inner.counters.on_alloc(size as u64, false);
+        tracing::trace!(pool = inner.id, size, stream = stream.id(), offset, "alloc");
+        Ok(Allocation {
+            ptr: inner.base + offset as u64,
+            size,
+            len,
+            stream,
+            pool: inner.id,
+            uses: Vec::new(),
+        })
+    }
+
+    /// Free in stream order: the memory is reused only by work that cannot
+    /// overlap with work ordered before this call on `stream` (and on every
+    /// stream declared with [`record_use`](Self::record_use)). `stream` may
+    /// differ from the allocation's stream when the caller ordered it after
+    /// every use. On error the allocation comes back in the [`FreeError`].
+    pub fn free_async(&self, allocation: Allocation, stream: Stream) -> Result<(), FreeError> {
+        let inner = &*self.inner;
+        let fail = |error, allocation| Err(FreeError { error, allocation });
+        if allocation.pool != inner.id {
+            let ptr = allocation.ptr;
+            return fail(PoolError::WrongPool { ptr }, allocation);
+        }
+        if allocation.len == 0 {
+            inner.counters.on_free(0);
+            return Ok(());
+        }
+        if inner.config.check_capture {
+            match inner.device.is_capturing(stream) {
+                Ok(false) => {}
+                Ok(true) => return fail(PoolError::StreamCapturing { stream }, allocation),
+                Err(e) => return fail(e.into(), allocation),
+            }
+        }
+        let entry = match inner.entry(stream) {
+            Ok(e) => e,
+            Err(e) => return fail(e, allocation),
+        };
+        // Declared uses on other streams: the freeing stream waits for them,
+        // so the free's own epoch covers them.
+        for &user in &allocation.uses {
+            if user == stream {
+                continue;
+            }
+            let ordered = self
+                .record_event(user)
+                .and_then(|ev| self.wait_event(stream, &ev));
+            if let Err(e) = ordered {
+                return fail(e, allocation);
+            }
+        }
+        let offset = (allocation.ptr - inner.base) as usize;
+        let len = allocation.len;
+        let spill_epoch = {
+            let mut st = lock(&entry.state);
+            if st.retired {
+                drop(st);
+                return fail(PoolError::StreamRetired { stream }, allocation);
+            }
+            st.frees_in_epoch = true;
+            let epoch = st.epoch;
+            if st.cached_bytes + len <= inner.config.stream_cache_bytes {
+                st.cached_bytes += len;
+                st.cache
+                    .entry(len)
+                    .or_default()
+                    .push(crate::order::CachedBlock { offset, epoch });
+                None
+            } else {
+                Some(epoch)
+            }
+        };
+        if let Some(epoch) = spill_epoch {
+            lock(&inner.arena).arena.give_back(
+                offset,
+                len,
+                Guard::After {
+                    stream: stream.id(),
+                    epoch,
+                },
+            );
+        }
+        inner.counters.on_free(allocation.size as u64);
+        tracing::trace!(pool = inner.id, size = allocation.size, stream = stream.id(), "free");
+        Ok(())
+    }
+
+    /// Declare that work on `stream` uses the allocation (as PyTorch's
+    /// `record_stream`): the free will wait, in stream order, for the work
+    /// issued on `stream` up to the free.
+    pub fn record_use(&self, allocation: &mut Allocation, stream: Stream) {
+        if stream != allocation.stream && !allocation.uses.contains(&stream) {
+            allocation.uses.push(stream);
+        }
+    }
+
+    /// Record an event on `stream` through the pool.
+    pub fn record_event(&self, stream: Stream) -> Result<PoolEvent, PoolError> {
+        let inner = &*self.inner;
+        let entry = inner.entry(stream)?;
+        let event = inner.events.acquire()?;
+        let mut st = lock(&entry.state);
+        if let Err(e) = inner.device.record_event(event, stream) {
+            drop(st);
+            inner.events.release(event);
+            return Err(e.into());
+        }
+        let record = st.close_epoch(event, inner.events.clone());
+        Ok(PoolEvent {
+            record,
+            pool: inner.id,
+        })
+    }
+
+    /// Make `stream` wait for `event`, and let the pool follow the
+    /// dependency: memory freed on the event's stream before the event
+    /// becomes reusable on `stream` with no further synchronisation.
+    pub fn wait_event(&self, stream: Stream, event: &PoolEvent) -> Result<(), PoolError> {
+        let inner = &*self.inner;
+        let entry = inner.entry(stream)?;
+        inner.device.wait_event(stream, event.record.event)?;
+        if event.pool == inner.id {
+            lock(&entry.state).clock.merge(&event.record.clock);
+        }
+        Ok(())
+    }
+
+    /// Block until `stream`'s work is done; then release memory down to
+    /// the release threshold.
+    pub fn synchronize_stream(&self, stream: Stream) -> Result<(), PoolError> {
+        let inner = &*self.inner;
+        let entry = inner.entry(stream)?;
+        let epoch = lock(&entry.state).close_epoch_synced();
+        inner.device.synchronize_stream(stream)?;
+        inner.mark_synced(stream.id(), epoch);
+        inner.release_to_threshold()
+    }
+
+    /// Block until `event` has completed; then release down to the threshold.
+    pub fn synchronize_event(&self, event: &PoolEvent) -> Result<(), PoolError> {
+        let inner = &*self.inner;
+        inner.device.synchronize_event(event.record.event)?;
+        if event.pool == inner.id {
+            inner.mark_synced(event.record.stream.id(), event.record.epoch);
+        }
+        inner.release_to_threshold()
+    }
+
+    /// Block until every stream the pool has seen is idle; then release
+    /// down to the threshold.
+    pub fn synchronize(&self) -> Result<(), PoolError> {
+        let inner = &*self.inner;
+        for (id, entry) in inner.all_streams() {
+            let (stream, retired, epoch) = {
+                let mut st = lock(&entry.state);
+                (st.stream, st.retired, st.close_epoch_synced())
+            };
+            if retired {
+                continue;
+            }
+            inner.device.synchronize_stream(stream)?;
+            inner.mark_synced(id, epoch);
+        }
+        inner.release_to_threshold()
+    }
+
+    /// Release unused physical memory now until the pool holds at most
+    /// `bytes` (or nothing more can be released). Never touches memory of a
+    /// live allocation or of a free not known complete. Returns bytes released.
+    pub fn trim_to(&self, bytes: u64) -> Result<u64, PoolError> {
+        self.inner.trim_to(bytes)
+    }
+
+    /// A snapshot of the pool's attributes and counters.
+    pub fn stats(&self) -> PoolStats {
+        let inner = &*self.inner;
+        let c = &inner.counters;
+        let st = lock(&inner.arena);
+        PoolStats {
+            reserved_current: st.arena.reserved,
+            reserved_high: st.arena.reserved_high,
+            used_current: c.used_current.load(Ordering::Relaxed),
+            used_high: c.used_high.load(Ordering::Relaxed),
+            allocs: c.allocs.load(Ordering::Relaxed),
+            frees: c.frees.load(Ordering::Relaxed),
+            cache_hits: c.cache_hits.load(Ordering::Relaxed),
+            growths: st.arena.growths,
+            releases: st.arena.releases,
+            remaps: st.arena.remaps,
+            internal_dependencies: c.internal_dependencies.load(Ordering::Relaxed),
+            ooms: c.ooms.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Reset the high-water marks to the current values.
+    pub fn reset_peaks(&self) {
+        let inner = &*self.inner;
+        let mut st = lock(&inner.arena);
+        st.arena.reserved_high = st.arena.reserved;
+        let used = inner.counters.used_current.load(Ordering::Relaxed);
+        inner.counters.used_high.store(used, Ordering::Relaxed);
+    }
+
+    /// The reuse switches in force.
+    pub fn reuse(&self) -> ReusePolicy {
+        self.inner.reuse()
+    }
+
+    /// Change the reuse switches (takes effect for later allocations).
+    pub fn set_reuse(&self, reuse: ReusePolicy) {
+        let inner = &*self.inner;
+        inner
+            .follow
+            .store(reuse.follow_event_dependencies, Ordering::Relaxed);
+        inner.opportunistic.store(reuse.opportunistic, Ordering::Relaxed);
+        inner
+            .internal
+            .store(reuse.internal_dependencies, Ordering::Relaxed);
+        inner
+            .wait_pending
+            .store(reuse.wait_for_pending_frees, Ordering::Relaxed);
+    }
+
+    /// The release threshold in force.
+    pub fn release_threshold(&self) -> u64 {
+        self.inner.release_threshold.load(Ordering::Relaxed)
+    }
+
+    /// Change the release threshold.
+    pub fn set_release_threshold(&self, bytes: u64) {
+        self.inner.release_threshold.store(bytes, Ordering::Relaxed);
+    }
+
+    /// Forget a stream (before destroying it, or when an adopted raw stream
+    /// is retired). Its cached frees go back to the pool, still guarded by
+    /// the stream's work; allocating or freeing on it afterwards is an error.
+    pub fn retire_stream(&self, stream: Stream) -> Result<(), PoolError> {
+        let inner = &*self.inner;
+        let entry = inner.entry(stream)?;
+        let drained = {
+            let mut st = lock(&entry.state);
+            st.retired = true;
+            st.drain_cache()
+        };
+        let mut arena = lock(&inner.arena);
+        for (len, b) in drained {
+            arena.arena.give_back(
+                b.offset,
+                len,
+                Guard::After {
+                    stream: stream.id(),
+                    epoch: b.epoch,
+                },
+            );
+        }
+        Ok(())
+    }
+}
+
+impl<D: Device> PoolInner<D> {
+    pub fn reuse(&self) -> ReusePolicy {
+        ReusePolicy {
+            follow_event_dependencies: self.follow.load(Ordering::Relaxed),
+            opportunistic: self.opportunistic.load(Ordering::Relaxed),
+            internal_dependencies: self.internal.load(Ordering::Relaxed),
+            wait_for_pending_frees: self.wait_pending.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The pool's state for `stream`, created on first use. Ids are never
+    /// reused by the backend, so a stream's state is never confused with
+    /// that of a destroyed stream whose driver handle was recycled.
+    pub fn entry(&self, stream: Stream) -> Result<Arc<StreamEntry>, PoolError> {
+        if let Some(e) = self
+            .streams
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&stream.id())
+        {
+            return Ok(e.clone());
+        }
+        let mut map = self.streams.write().unwrap_or_else(|p| p.into_inner());
+        Ok(map
+            .entry(stream.id())
+            .or_insert_with(|| {
+                Arc::new(StreamEntry {
+                    state: Mutex::new(StreamState::new(stream)),
+                })
+            })
+            .clone())
+    }
+
+    pub fn all_streams(&self) -> Vec<(u64, Arc<StreamEntry>)> {
+        self.streams
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(k, v)| (*k, v.clone()))
+            .collect()
+    }
+
+    fn release_to_threshold(&self) -> Result<(), PoolError> {
+        let threshold = self.release_threshold.load(Ordering::Relaxed);
+        if threshold == u64::MAX {
+            return Ok(());
+        }
+        if lock(&self.arena).arena.reserved > threshold {
+            self.trim_to(threshold)?;
+        }
+        Ok(())
+    }
+}
+
+impl<D: Device> Drop for PoolInner<D> {
+    fn drop(&mut self) {
+        crate::registry::unregister(self.id);
+        // Map, unmap and release act at once: wait for every free's device
+        // work before taking the memory away.
+        for (_, entry) in self.all_streams() {
+            let mut st = lock(&entry.state);
+            if st.frees_in_epoch && !st.retired {
+                if let Ok(ev) = self.events.acquire() {
+                    if self.device.record_event(ev, st.stream).is_ok() {
+                        st.close_epoch(ev, self.events.clone());
+                    } else {
+                        self.events.release(ev);
+                    }
+                }
+            }
+            for rec in st.recorded.drain(..) {
+                if let Err(e) = self.device.synchronize_event(rec.event) {
+                    tracing::warn!(error = %e, "waiting for a pending free while dropping the pool failed");
+                }
+            }
+        }
+        let used = self.counters.used_current.load(Ordering::Relaxed);
+        if used > 0 {
+            tracing::warn!(pool = self.id, used, "pool dropped with live allocations; their memory is released");
+        }
+        let mut st = lock(&self.arena);
+        let arena = &mut st.arena;
+        let page = arena.page;
+        for (_, phys) in arena.phys.iter() {
+            if let Some(p) = phys.at {
+                if let Err(e) = self
+                    .device
+                    .unmap(self.base + (p * page) as u64, page)
+                {
+                    tracing::warn!(error = %e, "unmap while dropping the pool failed");
+                }
+            }
+            if let Err(e) = self.device.release_physical(phys.handle) {
+                tracing::warn!(error = %e, "release while dropping the pool failed");
+            }
+        }
+        arena.phys.clear();
+        if let Err(e) = self.device.free_va(self.base, self.va_size) {
+            tracing::warn!(error = %e, "freeing the pool's address range failed");
+        }
+    }
+}
