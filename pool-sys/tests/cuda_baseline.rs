@@ -185,3 +185,46 @@ fn load_ptx_and_launch_a_kernel() {
     dev.destroy_stream(s).unwrap();
     mem_free(&dev, p).unwrap();
 }
+
+/// Cost of the wrapper's hot path against raw FFI (run with `--ignored`,
+/// in release, on a GPU): prints ns per alloc+free pair for both.
+#[test]
+#[ignore = "timing; run by hand on a GPU"]
+fn driver_pool_pair_cost() {
+    use cudarc::driver::sys;
+    let Some(dev) = device_or_skip() else { return };
+    let pool = DriverPool::new(&dev, u64::MAX).unwrap();
+    let s = dev.create_stream().unwrap();
+    let n = 200_000;
+    for _ in 0..1000 {
+        let p = pool.alloc_async(64 << 10, s).unwrap();
+        pool.free_async(p, s).unwrap();
+    }
+    let t = std::time::Instant::now();
+    for _ in 0..n {
+        let p = pool.alloc_async(64 << 10, s).unwrap();
+        pool.free_async(p, s).unwrap();
+    }
+    let wrapped = t.elapsed().as_nanos() as f64 / n as f64;
+    let raw_pool = pool.raw() as sys::CUmemoryPool;
+    let raw_stream = dev.raw_stream(s).unwrap() as sys::CUstream;
+    let t = std::time::Instant::now();
+    for _ in 0..n {
+        let mut p: sys::CUdeviceptr = 0;
+        // SAFETY: live pool and stream; valid out pointer.
+        unsafe {
+            assert_eq!(
+                sys::cuMemAllocFromPoolAsync(&mut p, 64 << 10, raw_pool, raw_stream),
+                sys::CUresult::CUDA_SUCCESS
+            );
+            assert_eq!(
+                sys::cuMemFreeAsync(p, raw_stream),
+                sys::CUresult::CUDA_SUCCESS
+            );
+        }
+    }
+    let raw = t.elapsed().as_nanos() as f64 / n as f64;
+    dev.synchronize_stream(s).unwrap();
+    println!("64 KiB pair: wrapper {wrapped:.0} ns, raw FFI {raw:.0} ns");
+    dev.destroy_stream(s).unwrap();
+}
