@@ -159,7 +159,7 @@ fn run(args: Args) -> Result<(), (u8, String)> {
         backend,
         passes: args.passes,
         host_capacity: args.capacity,
-        samples_per_pass: if args.plot.is_some() { 1000 } else { 0 },
+        samples_per_pass: if args.plot.is_some() { 4000 } else { 0 },
         progress_every: 0,
     };
     let bar = if std::io::stderr().is_terminal() {

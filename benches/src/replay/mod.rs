@@ -10,6 +10,7 @@ pub mod plot;
 pub mod report;
 pub mod run;
 pub mod session;
+pub mod tidepool_alloc;
 pub mod trace;
 
 pub use run::{

@@ -58,17 +58,9 @@ pub fn draw_svg(path: &Path, panels: &[Panel]) -> Result<(), String> {
             .configure_mesh()
             .x_desc("operations (passes one after the other)")
             .y_desc("GiB")
+            .x_label_formatter(&|x| format!("{x:.0}"))
             .draw()
             .map_err(|e| err(&e))?;
-        let live_color = RGBColor(0x2c, 0xa0, 0x2c);
-        chart
-            .draw_series(LineSeries::new(
-                panel.live.points.iter().map(|&(x, y)| (x, y / GIB)),
-                live_color.stroke_width(2),
-            ))
-            .map_err(|e| err(&e))?
-            .label(panel.live.label.clone())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], live_color));
         for (i, s) in panel.reserved.iter().enumerate() {
             let color = palette[i % palette.len()];
             chart
@@ -80,6 +72,15 @@ pub fn draw_svg(path: &Path, panels: &[Panel]) -> Result<(), String> {
                 .label(s.label.clone())
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
         }
+        let live_color = RGBColor(0x2c, 0xa0, 0x2c);
+        chart
+            .draw_series(LineSeries::new(
+                panel.live.points.iter().map(|&(x, y)| (x, y / GIB)),
+                live_color.stroke_width(2),
+            ))
+            .map_err(|e| err(&e))?
+            .label(panel.live.label.clone())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], live_color));
         chart
             .configure_series_labels()
             .position(SeriesLabelPosition::LowerRight)

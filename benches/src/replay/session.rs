@@ -5,9 +5,12 @@ use super::allocators;
 use super::plot::{Panel, Series};
 use super::report::Record;
 use super::run::{PassOptions, PassResult, ReplayAllocator, ReplayError, Replayer};
+use super::tidepool_alloc::TidepoolAlloc;
 use super::trace::Trace;
 use std::fmt;
 use std::str::FromStr;
+use std::sync::Arc;
+use tidepool_sys::host::{HostConfig, HostDevice};
 
 /// Where the memory comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -166,6 +169,21 @@ pub fn replay(
     let streams = trace.streams.len();
     let results = match (kind, opts.backend) {
         (AllocatorKind::Ideal, _) => run!(allocators::IdealAllocator::new(u64::MAX, 1)),
+        (AllocatorKind::Tidepool, Backend::Host) => {
+            let config = match opts.host_capacity {
+                Some(capacity) => HostConfig {
+                    capacity,
+                    ..HostConfig::default()
+                },
+                None => HostConfig::default(),
+            };
+            let dev = Arc::new(HostDevice::with_config(config));
+            run!(TidepoolAlloc::new(dev, streams)?)
+        }
+        (AllocatorKind::Tidepool, Backend::Cuda) => {
+            let dev = Arc::new(allocators::cuda_device()?);
+            run!(TidepoolAlloc::new(dev, streams)?)
+        }
         (AllocatorKind::DriverPool, Backend::Cuda) => {
             let dev = allocators::cuda_device()?;
             run!(allocators::DriverPoolAlloc::new(&dev, streams)?)
@@ -174,10 +192,9 @@ pub fn replay(
             let dev = allocators::cuda_device()?;
             run!(allocators::CuMemAlloc::new(&dev))
         }
-        _ => {
+        (AllocatorKind::DriverPool | AllocatorKind::CuMemAlloc, Backend::Host) => {
             return Err(ReplayError(format!(
-                "allocator {kind} on backend {} is not wired in yet",
-                opts.backend
+                "allocator {kind} needs the cuda backend"
             )))
         }
     };

@@ -1,0 +1,87 @@
+//! tidepool's `MemPool` as a [`ReplayAllocator`], on any device backend.
+
+use super::allocators::Streams;
+use super::run::{AllocError, ReplayAllocator, ReplayError};
+use std::sync::Arc;
+use tidepool::{Allocation, MemPool, PoolConfig, PoolError};
+use tidepool_sys::Device;
+
+/// A tidepool pool with the default configuration, one device stream per
+/// trace stream; tidepool's reserved-high statistic as peak reserved.
+pub struct TidepoolAlloc<D: Device> {
+    // Field order: the pool is dropped before the streams.
+    pool: MemPool<D>,
+    streams: Streams<D>,
+}
+
+impl<D: Device> TidepoolAlloc<D> {
+    pub fn new(device: Arc<D>, trace_streams: usize) -> Result<Self, ReplayError> {
+        Self::with_config(device, trace_streams, PoolConfig::default())
+    }
+
+    pub fn with_config(
+        device: Arc<D>,
+        trace_streams: usize,
+        config: PoolConfig,
+    ) -> Result<Self, ReplayError> {
+        let streams = Streams::new(device.clone(), trace_streams)?;
+        let pool = MemPool::new(device, config)
+            .map_err(|e| ReplayError(format!("creating a tidepool pool: {e}")))?;
+        Ok(TidepoolAlloc { pool, streams })
+    }
+
+    /// The pool, for statistics beyond the replay's.
+    pub fn pool(&self) -> &MemPool<D> {
+        &self.pool
+    }
+}
+
+fn pool_err(what: &'static str) -> impl Fn(PoolError) -> ReplayError {
+    move |e| ReplayError(format!("tidepool: {what}: {e}"))
+}
+
+impl<D: Device> ReplayAllocator for TidepoolAlloc<D> {
+    type Handle = Allocation;
+
+    fn name(&self) -> &'static str {
+        "tidepool"
+    }
+
+    #[inline]
+    fn alloc(&mut self, size: usize, stream: usize) -> Result<Allocation, AllocError> {
+        self.pool
+            .alloc_async(size, self.streams.streams[stream])
+            .map_err(|e| {
+                if e.is_out_of_memory() {
+                    AllocError::OutOfMemory
+                } else {
+                    AllocError::Failed(e.to_string())
+                }
+            })
+    }
+
+    #[inline]
+    fn free(&mut self, a: Allocation, stream: usize) -> Result<(), ReplayError> {
+        self.pool
+            .free_async(a, self.streams.streams[stream])
+            .map_err(|e| ReplayError(format!("tidepool: free_async: {}", e.error)))
+    }
+
+    fn reserved_high(&self) -> Result<u64, ReplayError> {
+        Ok(self.pool.stats().reserved_high)
+    }
+
+    fn reserved_now(&self) -> Result<u64, ReplayError> {
+        Ok(self.pool.stats().reserved_current)
+    }
+
+    fn reset_high(&mut self) -> Result<(), ReplayError> {
+        self.pool.reset_peaks();
+        Ok(())
+    }
+
+    fn synchronize(&mut self) -> Result<(), ReplayError> {
+        self.pool.synchronize().map_err(pool_err("synchronize"))?;
+        self.streams.synchronize()
+    }
+}

@@ -1,0 +1,77 @@
+//! CI gate of the replay target (DESIGN §5): gpt2-fixed replayed through
+//! tidepool on the host backend must reach peak reserved / peak live
+//! <= 1.02 with no out-of-memory.
+//!
+//! The trace is located at run time from `CARGO_MANIFEST_DIR` (the GPU
+//! machine runs staged binaries with it set), falling back to the value
+//! compiled in.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use tidepool_benches::replay::tidepool_alloc::TidepoolAlloc;
+use tidepool_benches::replay::{PassOptions, Replayer, Trace};
+use tidepool_sys::host::HostDevice;
+
+const MAX_RATIO: f64 = 1.02;
+
+fn trace_path(name: &str) -> PathBuf {
+    let dir = std::env::var("CARGO_MANIFEST_DIR")
+        .unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").to_string());
+    PathBuf::from(dir).join("traces").join(name)
+}
+
+fn check(name: &str, passes: u32) {
+    let trace = Trace::load(&trace_path(name), None).unwrap_or_else(|e| panic!("{e}"));
+    let device = Arc::new(HostDevice::new());
+    let alloc = TidepoolAlloc::new(device, trace.streams.len()).unwrap_or_else(|e| panic!("{e}"));
+    let mut replayer = Replayer::new(alloc, &trace);
+    for _ in 0..passes {
+        let r = replayer
+            .pass(PassOptions::default(), |_| {})
+            .unwrap_or_else(|e| panic!("{e}"));
+        eprintln!(
+            "{name} pass {}: {} ops, peak live {} B, peak reserved {} B, ratio {:.4}, {} OOMs, \
+             {:.0} ops/s, {:.3} s",
+            r.pass,
+            r.ops,
+            r.peak_live_bytes,
+            r.peak_reserved_bytes,
+            r.ratio(),
+            r.ooms,
+            r.ops_per_sec(),
+            r.wall.as_secs_f64()
+        );
+        assert_eq!(
+            r.ooms, 0,
+            "{name} pass {}: out-of-memory during replay",
+            r.pass
+        );
+        assert!(
+            r.ratio() <= MAX_RATIO,
+            "{name} pass {}: peak reserved / peak live = {:.4} > {MAX_RATIO}",
+            r.pass,
+            r.ratio()
+        );
+    }
+}
+
+/// The whole trace (about 1 s in a debug build), fresh and warm.
+#[test]
+fn gpt2_fixed_on_host_within_target() {
+    check("gpt2-fixed.csv.gz", 2);
+}
+
+/// The fragmentation case, fresh pass.
+#[test]
+fn gpt2_varlen_fresh_on_host_within_target() {
+    check("gpt2-varlen.csv.gz", 1);
+}
+
+/// Warm passes of the fragmentation case. Known to miss the target when
+/// written (pass 2: 1.0229, pass 3: 1.0275: the pool's footprint grows
+/// from pass to pass); run with `--ignored` to check a fix.
+#[test]
+#[ignore = "known: warm passes of gpt2-varlen reach 1.023-1.028 > 1.02"]
+fn gpt2_varlen_warm_on_host_within_target() {
+    check("gpt2-varlen.csv.gz", 3);
+}
