@@ -7,6 +7,13 @@
 //! whole pages). Physical pages are all the same size, so any page that is
 //! wholly free and whose frees are complete can be unmapped from where it
 //! sits and mapped where a request needs it: that is the defragmentation.
+//! Moving a page does not unmap it from where it was: the old mapping stays
+//! as a *ghost* (inactive: its bytes are a hole), so that when the page
+//! becomes idle again and that place needs memory again, it is reactivated
+//! with no driver call at all. A training loop moves the same pages between
+//! the same places every step, and after the first step pays nothing for it.
+//! Only the active mapping of a page is ever handed out, so two live blocks
+//! never share physical memory.
 //! This module is bookkeeping only; the device calls are made by the policy.
 
 use slab::Slab;
@@ -30,8 +37,14 @@ impl Guard {
         match (self, other) {
             (Guard::Complete, g) | (g, Guard::Complete) => Some(g),
             (
-                Guard::After { stream: a, epoch: x },
-                Guard::After { stream: b, epoch: y },
+                Guard::After {
+                    stream: a,
+                    epoch: x,
+                },
+                Guard::After {
+                    stream: b,
+                    epoch: y,
+                },
             ) if a == b => Some(Guard::After {
                 stream: a,
                 epoch: x.max(y),
@@ -49,7 +62,10 @@ pub(crate) struct FreeRange {
 
 #[derive(Debug, Clone, Copy, Default)]
 struct PageSlot {
-    phys: Option<usize>,
+    /// The physical page mapped here at the driver level (active or ghost).
+    mapped: Option<usize>,
+    /// Whether that mapping is the physical page's active one.
+    active: bool,
     /// Blocks handed out (or held in a stream cache) that overlap the page.
     users: u32,
 }
@@ -57,7 +73,10 @@ struct PageSlot {
 #[derive(Debug)]
 pub(crate) struct PhysPage {
     pub handle: Physical,
-    pub at: Option<usize>,
+    /// The page where this physical page is active, if any.
+    pub owner: Option<usize>,
+    /// Every page where it is mapped at the driver level (active or ghost).
+    pub mappings: Vec<usize>,
 }
 
 /// Bookkeeping of one virtual reservation.
@@ -66,7 +85,7 @@ pub(crate) struct Arena {
     pub page: usize,
     pages: Vec<PageSlot>,
     pub phys: Slab<PhysPage>,
-    /// Physical pages created and not mapped anywhere.
+    /// Physical pages active nowhere (they may still have ghost mappings).
     pub spare: Vec<usize>,
     free: BTreeMap<usize, FreeRange>,
     by_size: BTreeSet<(usize, usize)>,
@@ -78,6 +97,7 @@ pub(crate) struct Arena {
     pub growths: u64,
     pub releases: u64,
     pub remaps: u64,
+    pub rebinds: u64,
 }
 
 impl Arena {
@@ -99,6 +119,7 @@ impl Arena {
             growths: 0,
             releases: 0,
             remaps: 0,
+            rebinds: 0,
         }
     }
 
@@ -144,7 +165,7 @@ impl Arena {
 
     fn add_users(&mut self, off: usize, len: usize) {
         for p in self.page_span(off, len) {
-            debug_assert!(self.pages[p].phys.is_some(), "block on unmapped page");
+            debug_assert!(self.pages[p].active, "block on an inactive page");
             if self.pages[p].users == 0 {
                 self.idle.remove(&p);
             }
@@ -165,11 +186,7 @@ impl Arena {
     /// (several adjacent ones when their guards could not merge).
     pub fn take(&mut self, off: usize, len: usize) {
         let end = off + len;
-        let start = self
-            .free
-            .range(..=off)
-            .next_back()
-            .map_or(off, |(&o, _)| o);
+        let start = self.free.range(..=off).next_back().map_or(off, |(&o, _)| o);
         let overlapping: Vec<usize> = self
             .free
             .range(start..end)
@@ -216,10 +233,14 @@ impl Arena {
     pub fn find_fit(
         &self,
         len: usize,
+        zone: &std::ops::Range<usize>,
         mut class: impl FnMut(Guard) -> Option<u8>,
     ) -> Option<(usize, u8)> {
         let mut best: Option<(usize, u8)> = None;
         for &(_, off) in self.by_size.range((len, 0)..) {
+            if off < zone.start || off + len > zone.end {
+                continue;
+            }
             let guard = self.free[&off].guard;
             if let Some(c) = class(guard) {
                 if c == 0 {
@@ -284,8 +305,40 @@ impl Arena {
 
     // ----- pages -----
 
-    pub fn is_mapped(&self, p: usize) -> bool {
-        self.pages[p].phys.is_some()
+    /// Bytes of address space the arena covers.
+    pub fn va_size(&self) -> usize {
+        self.pages.len() * self.page
+    }
+
+    /// Whether page `p` holds an active mapping (its bytes are usable).
+    pub fn is_active(&self, p: usize) -> bool {
+        self.pages[p].active
+    }
+
+    /// The physical page mapped at `p` at the driver level, active or not.
+    pub fn mapping_at(&self, p: usize) -> Option<usize> {
+        self.pages[p].mapped
+    }
+
+    /// Blocks overlapping page `p`.
+    pub fn users(&self, p: usize) -> u32 {
+        self.pages[p].users
+    }
+
+    /// The driver mapped physical page `phys` at page `p` (a hole without
+    /// any mapping).
+    pub fn record_mapping(&mut self, p: usize, phys: usize) {
+        assert!(self.pages[p].mapped.is_none() && !self.pages[p].active);
+        self.pages[p].mapped = Some(phys);
+        self.phys[phys].mappings.push(p);
+    }
+
+    /// The driver unmapped the ghost mapping at page `p`.
+    pub fn forget_mapping(&mut self, p: usize) -> usize {
+        assert!(!self.pages[p].active, "forgetting an active mapping");
+        let phys = self.pages[p].mapped.take().expect("page has a mapping");
+        self.phys[phys].mappings.retain(|&q| q != p);
+        phys
     }
 
     pub fn holes(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
@@ -301,11 +354,7 @@ impl Arena {
     pub fn page_guards(&self, p: usize) -> Vec<Guard> {
         let (ps, pe) = (p * self.page, (p + 1) * self.page);
         let mut out = Vec::new();
-        let start = self
-            .free
-            .range(..=ps)
-            .next_back()
-            .map_or(ps, |(&o, _)| o);
+        let start = self.free.range(..=ps).next_back().map_or(ps, |(&o, _)| o);
         for (&o, r) in self.free.range(start..pe) {
             if o + r.len > ps {
                 out.push(r.guard);
@@ -314,9 +363,12 @@ impl Arena {
         out
     }
 
-    /// A physical page now sits at page `p`, which was a hole: its bytes
-    /// become a free range with nothing pending.
-    pub fn mapped(&mut self, p: usize, phys: usize) {
+    /// Physical page `phys`, already mapped at page `p` (a hole), becomes
+    /// active there: the page's bytes become a free range with nothing
+    /// pending.
+    pub fn activate(&mut self, p: usize, phys: usize) {
+        assert_eq!(self.pages[p].mapped, Some(phys), "activating an unmapped page");
+        assert!(self.phys[phys].owner.is_none(), "physical page active twice");
         let (ps, pe) = (p * self.page, (p + 1) * self.page);
         let (&ho, &hl) = self
             .holes
@@ -331,22 +383,19 @@ impl Arena {
         if ho + hl > pe {
             self.holes.insert(pe, ho + hl - pe);
         }
-        self.pages[p].phys = Some(phys);
-        self.phys[phys].at = Some(p);
+        self.pages[p].active = true;
+        self.phys[phys].owner = Some(p);
         self.idle.insert(p);
         self.insert_free(ps, self.page, Guard::Complete);
     }
 
-    /// Page `p` (idle) is unmapped: its bytes leave the free ranges and
-    /// become a hole. Returns the physical page.
-    pub fn unmapped(&mut self, p: usize) -> usize {
+    /// Page `p` (idle) stops being active: its bytes leave the free ranges
+    /// and become a hole; its mapping stays as a ghost. Returns the
+    /// physical page, now active nowhere.
+    pub fn deactivate(&mut self, p: usize) -> usize {
         assert_eq!(self.pages[p].users, 0, "unmapping a page in use");
         let (ps, pe) = (p * self.page, (p + 1) * self.page);
-        let start = self
-            .free
-            .range(..=ps)
-            .next_back()
-            .map_or(ps, |(&o, _)| o);
+        let start = self.free.range(..=ps).next_back().map_or(ps, |(&o, _)| o);
         let overlapping: Vec<usize> = self
             .free
             .range(start..pe)
@@ -388,8 +437,10 @@ impl Arena {
         }
         self.holes.insert(ho, hl);
         self.idle.remove(&p);
-        let phys = self.pages[p].phys.take().expect("page was mapped");
-        self.phys[phys].at = None;
+        assert!(self.pages[p].active, "deactivating an inactive page");
+        self.pages[p].active = false;
+        let phys = self.pages[p].mapped.expect("active page is mapped");
+        self.phys[phys].owner = None;
         phys
     }
 
@@ -409,18 +460,30 @@ impl Arena {
             cursor = o + l;
             if *is_free {
                 for p in self.page_span(*o, *l) {
-                    assert!(self.pages[p].phys.is_some(), "free range on unmapped page");
+                    assert!(self.pages[p].active, "free range on an inactive page");
                 }
             } else {
                 assert!(o % self.page == 0 && l % self.page == 0);
                 for p in self.page_span(*o, *l) {
-                    assert!(self.pages[p].phys.is_none(), "hole over mapped page");
+                    assert!(!self.pages[p].active, "hole over an active page");
                 }
             }
         }
         assert_eq!(self.free.len(), self.by_size.len());
+        for (i, phys) in self.phys.iter() {
+            if let Some(p) = phys.owner {
+                assert!(self.pages[p].active && self.pages[p].mapped == Some(i));
+            }
+            for &p in &phys.mappings {
+                assert_eq!(self.pages[p].mapped, Some(i), "mapping list wrong");
+            }
+        }
         for (p, slot) in self.pages.iter().enumerate() {
-            let idle = slot.phys.is_some() && slot.users == 0;
+            if slot.active {
+                let phys = slot.mapped.expect("active page is mapped");
+                assert_eq!(self.phys[phys].owner, Some(p));
+            }
+            let idle = slot.active && slot.users == 0;
             assert_eq!(self.idle.contains(&p), idle, "idle set wrong at page {p}");
         }
     }
@@ -437,9 +500,11 @@ mod tests {
         for p in 0..n {
             let idx = a.phys.insert(PhysPage {
                 handle: Physical(p as u64),
-                at: None,
+                owner: None,
+                mappings: Vec::new(),
             });
-            a.mapped(p, idx);
+            a.record_mapping(p, idx);
+            a.activate(p, idx);
         }
         a.check();
         a
@@ -457,7 +522,14 @@ mod tests {
         a.take(512, 4096);
         a.check();
         assert_eq!(a.largest_free(), 2 * PAGE - 4096 - 512);
-        a.give_back(512, 4096, Guard::After { stream: 1, epoch: 1 });
+        a.give_back(
+            512,
+            4096,
+            Guard::After {
+                stream: 1,
+                epoch: 1,
+            },
+        );
         a.check();
         assert_eq!(a.largest_free(), 2 * PAGE);
     }
@@ -467,29 +539,53 @@ mod tests {
         let mut a = arena_with_pages(1);
         a.take(0, 1024);
         a.take(1024, 1024);
-        a.give_back(0, 1024, Guard::After { stream: 1, epoch: 1 });
-        a.give_back(1024, 1024, Guard::After { stream: 2, epoch: 1 });
+        a.give_back(
+            0,
+            1024,
+            Guard::After {
+                stream: 1,
+                epoch: 1,
+            },
+        );
+        a.give_back(
+            1024,
+            1024,
+            Guard::After {
+                stream: 2,
+                epoch: 1,
+            },
+        );
         a.check();
-        let fit = a.find_fit(2048, |g| match g {
+        let fit = a.find_fit(2048, &(0..usize::MAX), |g| match g {
             Guard::After { stream: 1, .. } => Some(0),
             _ => None,
         });
-        assert_eq!(fit, None, "stream 2's free must not be reachable through stream 1's");
+        assert_eq!(
+            fit, None,
+            "stream 2's free must not be reachable through stream 1's"
+        );
         a.settle(|_| Some(Guard::Complete));
         a.check();
         assert_eq!(a.largest_free(), PAGE);
     }
 
     #[test]
-    fn unmapping_an_idle_page_splits_free_ranges_and_makes_a_hole() {
+    fn deactivating_an_idle_page_splits_free_ranges_and_keeps_a_ghost() {
         let mut a = arena_with_pages(3);
         a.take(0, 100);
         a.check();
-        let phys = a.unmapped(1);
+        let phys = a.deactivate(1);
         a.check();
-        assert!(!a.is_mapped(1));
+        assert!(!a.is_active(1));
+        assert_eq!(a.mapping_at(1), Some(phys), "the mapping stays as a ghost");
         assert_eq!(a.largest_free(), PAGE);
-        a.mapped(1, phys);
+        // The physical page can be mapped elsewhere as well...
+        a.record_mapping(10, phys);
+        a.activate(10, phys);
+        a.check();
+        // ...and come back to its ghost with no new mapping.
+        a.deactivate(10);
+        a.activate(1, phys);
         a.check();
         assert_eq!(a.largest_free(), 3 * PAGE - 100);
     }
@@ -498,16 +594,37 @@ mod tests {
     fn best_fit_prefers_class_zero_then_smallest() {
         let mut a = arena_with_pages(1);
         a.take(0, PAGE);
-        a.give_back(0, 4096, Guard::After { stream: 2, epoch: 1 });
-        a.give_back(8192, 8192, Guard::After { stream: 1, epoch: 1 });
-        a.give_back(32768, 4096, Guard::After { stream: 1, epoch: 2 });
+        a.give_back(
+            0,
+            4096,
+            Guard::After {
+                stream: 2,
+                epoch: 1,
+            },
+        );
+        a.give_back(
+            8192,
+            8192,
+            Guard::After {
+                stream: 1,
+                epoch: 1,
+            },
+        );
+        a.give_back(
+            32768,
+            4096,
+            Guard::After {
+                stream: 1,
+                epoch: 2,
+            },
+        );
         a.check();
         let class = |g| match g {
             Guard::After { stream: 1, .. } => Some(0),
             Guard::After { .. } => Some(1),
             Guard::Complete => Some(0),
         };
-        assert_eq!(a.find_fit(4096, class), Some((32768, 0)));
-        assert_eq!(a.find_fit(8192, class), Some((8192, 0)));
+        assert_eq!(a.find_fit(4096, &(0..usize::MAX), class), Some((32768, 0)));
+        assert_eq!(a.find_fit(8192, &(0..usize::MAX), class), Some((8192, 0)));
     }
 }

@@ -55,6 +55,26 @@ pub(crate) struct EventRecord {
     pub sink: Arc<dyn EventSink>,
 }
 
+/// `Arc<S>` as `Arc<dyn EventSink>`. loom's `Arc` cannot unsize, so under
+/// `cfg(loom)` the loom `Arc` is wrapped in a std `Arc` and handed to loom's
+/// `Arc::from_std` (one extra allocation per recorded event, models only).
+#[cfg(not(loom))]
+fn dyn_sink<S: EventSink + 'static>(sink: Arc<S>) -> Arc<dyn EventSink> {
+    sink
+}
+
+#[cfg(loom)]
+fn dyn_sink<S: EventSink + 'static>(sink: Arc<S>) -> Arc<dyn EventSink> {
+    Arc::from_std(std::sync::Arc::new(sink))
+}
+
+#[cfg(loom)]
+impl<S: EventSink> EventSink for Arc<S> {
+    fn release(&self, event: Event) {
+        (**self).release(event)
+    }
+}
+
 impl Drop for EventRecord {
     fn drop(&mut self) {
         self.sink.release(self.event);
@@ -112,7 +132,12 @@ impl StreamState {
     }
 
     /// Close the current epoch with a freshly recorded event.
-    pub fn close_epoch(&mut self, event: Event, sink: Arc<dyn EventSink>) -> Arc<EventRecord> {
+    pub fn close_epoch<S: EventSink + 'static>(
+        &mut self,
+        event: Event,
+        sink: Arc<S>,
+    ) -> Arc<EventRecord> {
+        let sink = dyn_sink(sink);
         let epoch = self.epoch;
         let mut clock = self.clock.clone();
         clock.raise(self.stream.id(), epoch);

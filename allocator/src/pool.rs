@@ -72,7 +72,11 @@ pub struct FreeError {
 
 impl fmt::Display for FreeError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "free of {:#x} failed: {}", self.allocation.ptr, self.error)
+        write!(
+            f,
+            "free of {:#x} failed: {}",
+            self.allocation.ptr, self.error
+        )
     }
 }
 
@@ -344,7 +348,12 @@ impl<D: Device> MemPool<D> {
                 st.cached_bytes -= len;
                 drop(st);
                 inner.counters.on_alloc(size as u64, true);
-                tracing::trace!(pool = inner.id, size, stream = stream.id(), "alloc (stream cache)");
+                tracing::trace!(
+                    pool = inner.id,
+                    size,
+                    stream = stream.id(),
+                    "alloc (stream cache)"
+                );
                 return Ok(Allocation {
                     ptr: inner.base + block.offset as u64,
                     size,
@@ -449,7 +458,12 @@ impl<D: Device> MemPool<D> {
             );
         }
         inner.counters.on_free(allocation.size as u64);
-        tracing::trace!(pool = inner.id, size = allocation.size, stream = stream.id(), "free");
+        tracing::trace!(
+            pool = inner.id,
+            size = allocation.size,
+            stream = stream.id(),
+            "free"
+        );
         Ok(())
     }
 
@@ -555,6 +569,7 @@ impl<D: Device> MemPool<D> {
             growths: st.arena.growths,
             releases: st.arena.releases,
             remaps: st.arena.remaps,
+            rebinds: st.arena.rebinds,
             internal_dependencies: c.internal_dependencies.load(Ordering::Relaxed),
             ooms: c.ooms.load(Ordering::Relaxed),
         }
@@ -580,7 +595,9 @@ impl<D: Device> MemPool<D> {
         inner
             .follow
             .store(reuse.follow_event_dependencies, Ordering::Relaxed);
-        inner.opportunistic.store(reuse.opportunistic, Ordering::Relaxed);
+        inner
+            .opportunistic
+            .store(reuse.opportunistic, Ordering::Relaxed);
         inner
             .internal
             .store(reuse.internal_dependencies, Ordering::Relaxed);
@@ -703,17 +720,18 @@ impl<D: Device> Drop for PoolInner<D> {
         }
         let used = self.counters.used_current.load(Ordering::Relaxed);
         if used > 0 {
-            tracing::warn!(pool = self.id, used, "pool dropped with live allocations; their memory is released");
+            tracing::warn!(
+                pool = self.id,
+                used,
+                "pool dropped with live allocations; their memory is released"
+            );
         }
         let mut st = lock(&self.arena);
         let arena = &mut st.arena;
         let page = arena.page;
         for (_, phys) in arena.phys.iter() {
-            if let Some(p) = phys.at {
-                if let Err(e) = self
-                    .device
-                    .unmap(self.base + (p * page) as u64, page)
-                {
+            for &p in &phys.mappings {
+                if let Err(e) = self.device.unmap(self.base + (p * page) as u64, page) {
                     tracing::warn!(error = %e, "unmap while dropping the pool failed");
                 }
             }

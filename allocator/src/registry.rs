@@ -56,7 +56,10 @@ mod imp {
             device_key: device_key(&inner.device),
             holder: Arc::downgrade(&holder),
         };
-        pools().lock().unwrap_or_else(|p| p.into_inner()).push(entry);
+        pools()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(entry);
     }
 
     pub(crate) fn unregister(id: u64) {

@@ -26,6 +26,9 @@ pub struct PoolStats {
     /// Pieces of physical memory moved from where they were free to where
     /// they were needed (defragmentation).
     pub remaps: u64,
+    /// Pages moved back to a place they had been mapped before, with no
+    /// driver call (their old mapping was kept).
+    pub rebinds: u64,
     /// Stream waits the pool inserted to reuse a pending free.
     pub internal_dependencies: u64,
     /// Allocations that failed with out-of-memory.
