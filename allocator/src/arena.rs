@@ -593,7 +593,10 @@ mod tests {
     #[test]
     fn best_fit_prefers_class_zero_then_smallest() {
         let mut a = arena_with_pages(1);
-        a.take(0, PAGE);
+        a.take(0, 4096);
+        a.take(8192, 8192);
+        a.take(32768, 4096);
+        a.take(65536, 4096);
         a.give_back(
             0,
             4096,
