@@ -627,7 +627,14 @@ mod tests {
             Guard::After { .. } => Some(1),
             Guard::Complete => Some(0),
         };
-        assert_eq!(a.find_fit(4096, &(0..usize::MAX), class), Some((32768, 0)));
-        assert_eq!(a.find_fit(8192, &(0..usize::MAX), class), Some((8192, 0)));
+        // The 4 KiB range of stream 2 is the tightest fit but of a worse
+        // class: the 8 KiB range of stream 1 wins.
+        assert_eq!(a.find_fit(4096, &(0..usize::MAX), class), Some((8192, 0)));
+        // With only class-1 memory left, the class-1 range is taken.
+        let only_two = |g| match g {
+            Guard::After { stream: 2, .. } => Some(1),
+            _ => None,
+        };
+        assert_eq!(a.find_fit(4096, &(0..usize::MAX), only_two), Some((0, 1)));
     }
 }
