@@ -367,8 +367,15 @@ impl Arena {
     /// active there: the page's bytes become a free range with nothing
     /// pending.
     pub fn activate(&mut self, p: usize, phys: usize) {
-        assert_eq!(self.pages[p].mapped, Some(phys), "activating an unmapped page");
-        assert!(self.phys[phys].owner.is_none(), "physical page active twice");
+        assert_eq!(
+            self.pages[p].mapped,
+            Some(phys),
+            "activating an unmapped page"
+        );
+        assert!(
+            self.phys[phys].owner.is_none(),
+            "physical page active twice"
+        );
         let (ps, pe) = (p * self.page, (p + 1) * self.page);
         let (&ho, &hl) = self
             .holes

@@ -403,7 +403,12 @@ impl<D: Device> PoolInner<D> {
             }
         }
         if !rest.is_empty() {
-            tracing::debug!(pool = self.id, pages = rest.len(), len, "mapping pages for a request");
+            tracing::debug!(
+                pool = self.id,
+                pages = rest.len(),
+                len,
+                "mapping pages for a request"
+            );
         }
         for p in rest {
             let i = got.pop().expect("one physical page per target");
@@ -639,7 +644,9 @@ fn ghost_available(st: &State<'_>, p: usize) -> bool {
 /// Whether physical page `phys` may be taken from where it is active
 /// without disturbing the block being placed.
 fn phys_movable(st: &State<'_>, phys: usize, block: &std::ops::RangeInclusive<usize>) -> bool {
-    st.arena.phys[phys].owner.is_none_or(|q| !block.contains(&q))
+    st.arena.phys[phys]
+        .owner
+        .is_none_or(|q| !block.contains(&q))
 }
 
 /// Completed idle pages to move, taken from the shortest runs of idle
@@ -654,7 +661,12 @@ fn pick_victims(
         .arena
         .idle_pages()
         .filter(|p| !exclude.contains(p))
-        .filter(|&p| st.arena.page_guards(p).into_iter().all(|g| st.is_complete(g)))
+        .filter(|&p| {
+            st.arena
+                .page_guards(p)
+                .into_iter()
+                .all(|g| st.is_complete(g))
+        })
         .collect();
     // idle_pages() is highest first: runs are descending sequences.
     let mut runs: Vec<(usize, usize)> = Vec::new(); // (start index in movable, len)

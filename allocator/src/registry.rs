@@ -96,8 +96,8 @@ mod imp {
     /// configuration and kept for the life of the process), as
     /// `cudaDeviceGetDefaultMemPool` gives.
     pub fn default_pool<D: Device>(device: &Arc<D>) -> Result<MemPool<D>, PoolError> {
-        static DEFAULTS: OnceLock<Mutex<HashMap<(usize, TypeId), Box<dyn Any + Send + Sync>>>> =
-            OnceLock::new();
+        type Defaults = Mutex<HashMap<(usize, TypeId), Box<dyn Any + Send + Sync>>>;
+        static DEFAULTS: OnceLock<Defaults> = OnceLock::new();
         let map = DEFAULTS.get_or_init(|| Mutex::new(HashMap::new()));
         let mut map = map.lock().unwrap_or_else(|p| p.into_inner());
         let key = (device_key(device), TypeId::of::<D>());
