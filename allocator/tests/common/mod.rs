@@ -1,0 +1,164 @@
+//! Helpers shared by the contract tests: small host devices, a stream
+//! blocker (a host task that holds a stream busy until released), and
+//! ordering probes.
+#![allow(dead_code)]
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+use tidepool::{MemPool, PoolConfig};
+use tidepool_sys::{Device, DevicePtr, HostConfig, HostDevice, Stream};
+
+/// Granularity = the pool's page size in these tests.
+pub const PAGE: usize = 2 << 20;
+
+/// A host device of at most 1 GiB (tests run in parallel).
+pub fn host() -> HostDevice {
+    HostDevice::with_config(HostConfig {
+        capacity: 1 << 30,
+        granularity: PAGE,
+    })
+}
+
+/// A host device with an explicit capacity.
+pub fn host_with_capacity(capacity: usize) -> HostDevice {
+    HostDevice::with_config(HostConfig {
+        capacity,
+        granularity: PAGE,
+    })
+}
+
+pub fn config() -> PoolConfig {
+    PoolConfig::default().with_va_size(4 << 30)
+}
+
+pub fn pool<D: Device>(dev: &Arc<D>, cfg: PoolConfig) -> MemPool<D> {
+    MemPool::new(dev.clone(), cfg).expect("pool creation")
+}
+
+pub fn streams<D: Device>(dev: &D, n: usize) -> Vec<Stream> {
+    (0..n)
+        .map(|_| dev.create_stream().expect("stream"))
+        .collect()
+}
+
+/// A host task that keeps a stream busy until [`Blocker::release`] (or
+/// drop). Declare it *after* the pool so that a failing assertion releases
+/// the stream before the pool and the device wait for it.
+pub struct Blocker {
+    tx: Option<Sender<()>>,
+    done: Arc<AtomicBool>,
+}
+
+impl Blocker {
+    pub fn on<D: Device + ?Sized>(dev: &D, stream: Stream) -> Blocker {
+        let (tx, rx) = channel::<()>();
+        let done = Arc::new(AtomicBool::new(false));
+        let flag = done.clone();
+        dev.launch_host(
+            stream,
+            Box::new(move || {
+                let _ = rx.recv();
+                flag.store(true, Ordering::SeqCst);
+            }),
+        )
+        .expect("launch blocker");
+        Blocker { tx: Some(tx), done }
+    }
+
+    pub fn release(&mut self) {
+        self.tx.take();
+    }
+
+    /// Whether the blocked task has finished.
+    pub fn done(&self) -> bool {
+        self.done.load(Ordering::SeqCst)
+    }
+
+    pub fn flag(&self) -> Arc<AtomicBool> {
+        self.done.clone()
+    }
+}
+
+impl Drop for Blocker {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+/// Enqueue on `stream` a task that reports whether `flag` was set when it
+/// ran (the probe of "work ordered after X runs after X").
+pub fn probe<D: Device + ?Sized>(dev: &D, stream: Stream, flag: Arc<AtomicBool>) -> Receiver<bool> {
+    let (tx, rx) = channel();
+    dev.launch_host(
+        stream,
+        Box::new(move || {
+            let _ = tx.send(flag.load(Ordering::SeqCst));
+        }),
+    )
+    .expect("launch probe");
+    rx
+}
+
+/// Enqueue on `stream` a "kernel" that writes `tag` over the first `words`
+/// words at `ptr`; the receiver says whether the memory was still mapped
+/// read-write when it ran.
+pub fn tag_kernel(
+    dev: &HostDevice,
+    stream: Stream,
+    ptr: DevicePtr,
+    words: usize,
+    tag: u32,
+) -> Receiver<bool> {
+    let (tx, rx) = channel();
+    dev.launch_on_words(stream, ptr, words * 4, move |r| {
+        let ok = match r {
+            Ok(w) => {
+                for x in w {
+                    x.store(tag, Ordering::Relaxed);
+                }
+                true
+            }
+            Err(_) => false,
+        };
+        let _ = tx.send(ok);
+    })
+    .expect("launch tag kernel");
+    rx
+}
+
+/// A small deterministic PRNG (xorshift64*).
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    /// Uniform in `lo..=hi`.
+    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next() % (hi - lo + 1)
+    }
+    /// Log-uniform in `lo..=hi` (both > 0).
+    pub fn log_range(&mut self, lo: u64, hi: u64) -> u64 {
+        let (a, b) = ((lo as f64).ln(), (hi as f64).ln());
+        let u = (self.next() >> 11) as f64 / (1u64 << 53) as f64;
+        ((a + (b - a) * u).exp() as u64).clamp(lo, hi)
+    }
+}
+
+/// Pages (of [`PAGE`]) that `[ptr, ptr+len)` touches.
+pub fn pages_of(ptr: DevicePtr, len: usize) -> std::ops::RangeInclusive<u64> {
+    ptr / PAGE as u64..=(ptr + len as u64 - 1) / PAGE as u64
+}
+
+/// A fill pattern unique to (`seed`, index).
+pub fn pattern(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| seed.wrapping_mul(0x9E37_79B9) ^ i)
+        .collect()
+}
