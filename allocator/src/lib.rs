@@ -44,14 +44,17 @@
 //! let device = Arc::new(HostDevice::with_config(HostConfig { capacity: 64 << 20, ..Default::default() }));
 //! let pool = MemPool::new(device.clone(), PoolConfig::default().with_va_size(1 << 30))?;
 //! let (a, b) = (device.create_stream()?, device.create_stream()?);
-//! let x = pool.alloc_async(4096, a)?;
+//! let page = 2 << 20;
+//! let x = pool.alloc_async(page, a)?;
 //! let addr = x.ptr();
 //! pool.free_async(x, a)?;
-//! // b waits on an event recorded on a after the free: the pool follows it.
+//! // b waits on an event recorded on a after the free: the pool follows
+//! // the dependency and hands b the same memory, without growing.
 //! let ev = pool.record_event(a)?;
 //! pool.wait_event(b, &ev)?;
-//! let y = pool.alloc_async(4096, b)?;
+//! let y = pool.alloc_async(page, b)?;
 //! assert_eq!(y.ptr(), addr);
+//! assert_eq!(pool.stats().growths, 1);
 //! pool.free_async(y, b)?;
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```

@@ -357,18 +357,26 @@ impl<D: Device> PoolInner<D> {
         // The others need a physical page mapped by the driver: a spare one,
         // a completed idle one moved from elsewhere (stitching), or a new
         // one (growth).
-        let mut got: Vec<usize> = Vec::with_capacity(rest.len());
-        while got.len() < rest.len() {
-            match st.arena.spare.pop() {
-                Some(i) => got.push(i),
-                None => break,
+        let spare_used = st.arena.spare.len().min(rest.len());
+        let victims = if spare_used < rest.len() {
+            pick_victims(st, &block_pages, rest.len() - spare_used)
+        } else {
+            Vec::new()
+        };
+        let missing = rest.len() - spare_used - victims.len();
+        if let Some(max) = self.config.max_size {
+            // Fail before touching anything: a request the cap cannot hold
+            // must not grow the pool on its way to failing.
+            if st.arena.reserved + (missing * page) as u64 > max {
+                return Err(MapFailure::Capped);
             }
         }
-        if got.len() < rest.len() {
-            let victims = pick_victims(st, &block_pages, rest.len() - got.len());
-            for p in victims {
-                got.push(st.arena.deactivate(p));
-            }
+        let mut got: Vec<usize> = Vec::with_capacity(rest.len());
+        for _ in 0..spare_used {
+            got.extend(st.arena.spare.pop());
+        }
+        for p in victims {
+            got.push(st.arena.deactivate(p));
         }
         while got.len() < rest.len() {
             if let Some(max) = self.config.max_size {

@@ -366,7 +366,10 @@ impl<D: Device> MemPool<D> {
         }
         let offset = match inner.acquire(len, stream, &entry) {
             Ok(off) => off,
-            Err(e) => {
+            Err(mut e) => {
+                if let PoolError::OutOfMemory(report) = &mut e {
+                    report.requested = size;
+                }
                 if e.is_out_of_memory() {
                     Counters::bump(&inner.counters.ooms);
                     tracing::warn!(pool = inner.id, size, stream = stream.id(), error = %e, "allocation failed");
@@ -533,9 +536,15 @@ impl<D: Device> MemPool<D> {
     pub fn synchronize(&self) -> Result<(), PoolError> {
         let inner = &*self.inner;
         for (id, entry) in inner.all_streams() {
-            let (stream, retired, epoch) = {
+            let stream = lock(&entry.state).stream;
+            // Synchronising a stream that is being captured would break the
+            // user's capture: skip it (its frees stay pending).
+            if inner.device.is_capturing(stream).unwrap_or(true) {
+                continue;
+            }
+            let (retired, epoch) = {
                 let mut st = lock(&entry.state);
-                (st.stream, st.retired, st.close_epoch_synced())
+                (st.retired, st.close_epoch_synced())
             };
             if retired {
                 continue;
@@ -676,12 +685,19 @@ impl<D: Device> PoolInner<D> {
     }
 
     pub fn all_streams(&self) -> Vec<(u64, Arc<StreamEntry>)> {
-        self.streams
+        #[allow(unused_mut)]
+        let mut all: Vec<_> = self
+            .streams
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .iter()
             .map(|(k, v)| (*k, v.clone()))
-            .collect()
+            .collect();
+        // loom replays executions and needs the same lock order each time;
+        // a HashMap's order changes with its per-map random seed.
+        #[cfg(loom)]
+        all.sort_unstable_by_key(|(k, _)| *k);
+        all
     }
 
     fn release_to_threshold(&self) -> Result<(), PoolError> {
@@ -703,7 +719,10 @@ impl<D: Device> Drop for PoolInner<D> {
         // work before taking the memory away.
         for (_, entry) in self.all_streams() {
             let mut st = lock(&entry.state);
-            if st.frees_in_epoch && !st.retired {
+            if st.frees_in_epoch
+                && !st.retired
+                && !self.device.is_capturing(st.stream).unwrap_or(true)
+            {
                 if let Ok(ev) = self.events.acquire() {
                     if self.device.record_event(ev, st.stream).is_ok() {
                         st.close_epoch(ev, self.events.clone());

@@ -159,7 +159,6 @@ fn pool_never_touches_a_capturing_stream() {
 
 /// Rule: the same for a whole-pool synchronisation.
 #[test]
-#[ignore = "bug: MemPool::synchronize (pool.rs) synchronises every non-retired stream, capturing ones included; it should skip streams that are capturing (or fail with StreamCapturing)"]
 fn pool_synchronize_skips_a_capturing_stream() {
     let dev = watch();
     let pool = pool(&dev, config());

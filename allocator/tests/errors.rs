@@ -53,7 +53,6 @@ fn out_of_memory_report_states_the_pool() {
 
 /// Rule: the report's `requested` is the size the caller asked for.
 #[test]
-#[ignore = "bug: OomReport.requested is the size rounded up to ALIGNMENT (policy.rs oom(): `requested: len`), not the caller's size"]
 fn out_of_memory_report_states_the_callers_size() {
     let dev = Arc::new(host());
     let pool = pool(&dev, config().with_max_size(PAGE as u64));
@@ -94,7 +93,6 @@ fn max_size_is_respected() {
 /// Rule: a failed allocation changes nothing — in particular a request the
 /// cap cannot satisfy does not leave the pool grown.
 #[test]
-#[ignore = "bug: a capped request creates pages up to the cap before failing (policy.rs map_window growth loop checks the cap one page at a time), leaving reserved grown by pages nobody uses"]
 fn capped_failure_does_not_grow_the_pool() {
     let dev = Arc::new(host());
     let pool = pool(&dev, config().with_max_size(4 * PAGE as u64));
