@@ -1,0 +1,271 @@
+//! The models: each function is one execution (two threads, a few pool
+//! operations each). Under `cfg(loom)` `tests/models.rs` hands them to
+//! `loom::model`, which runs them once per interleaving; without loom the
+//! unit tests run them on std threads. Every scenario ends by dropping the
+//! pool and checking the model device for leaks (physical pages, mappings,
+//! the reservation, events).
+
+use crate::device::{ModelDevice, GRANULARITY};
+use crate::sync::{thread, Arc, AtomicBool, Ordering};
+use tidepool::{Allocation, MemPool, PoolConfig, PoolError, PoolEvent, ReusePolicy, Stream};
+use tidepool_sys::Device;
+
+/// Pages of the model device (the pools below never need more).
+const CAPACITY_PAGES: usize = 4;
+/// Pages of the pool's address space (the pool puts small blocks in the
+/// first quarter, so that quarter holds `CAPACITY_PAGES`).
+const VA_PAGES: usize = 4 * CAPACITY_PAGES;
+
+fn config(stream_cache_bytes: usize) -> PoolConfig {
+    let mut c = PoolConfig::default()
+        .with_page_size(GRANULARITY)
+        .with_va_size(VA_PAGES * GRANULARITY)
+        .with_stream_cache_bytes(stream_cache_bytes);
+    c.check_capture = false;
+    // Step 8 (host wait for pending frees) polls until a deadline; in a
+    // model, nothing completes while the thread polls, so poll once.
+    c.last_resort_wait = std::time::Duration::ZERO;
+    c
+}
+
+fn setup(stream_cache_bytes: usize) -> (Arc<ModelDevice>, MemPool<ModelDevice>) {
+    let dev = Arc::new(ModelDevice::new(CAPACITY_PAGES));
+    let pool = MemPool::new(dev.clone(), config(stream_cache_bytes)).expect("pool");
+    (dev, pool)
+}
+
+fn alloc(dev: &ModelDevice, pool: &MemPool<ModelDevice>, size: usize, s: Stream) -> Allocation {
+    let a = pool.alloc_async(size, s).expect("alloc");
+    dev.claim(a.ptr(), a.size(), s);
+    a
+}
+
+fn free(dev: &ModelDevice, pool: &MemPool<ModelDevice>, a: Allocation, s: Stream) {
+    dev.unclaim(a.ptr(), s);
+    pool.free_async(a, s).expect("free");
+}
+
+/// Drop the pool and check that the device got everything back.
+fn teardown(dev: Arc<ModelDevice>, pool: MemPool<ModelDevice>) {
+    let live = pool.stats().used_current;
+    assert_eq!(live, 0, "scenario left live allocations");
+    drop(pool);
+    dev.assert_clean();
+}
+
+/// (a) Two threads allocate and free on one stream: the stream's private
+/// cache (its shard, behind the stream's mutex) and the arena behind it.
+/// The device checks that no two live allocations overlap and that all are
+/// mapped; the end checks the counters.
+pub fn shard_alloc_free() {
+    let (dev, pool) = setup(1024);
+    let s = dev.create_stream().unwrap();
+    let worker = |dev: Arc<ModelDevice>, pool: MemPool<ModelDevice>| {
+        move || {
+            let x = alloc(&dev, &pool, 1000, s);
+            free(&dev, &pool, x, s);
+            alloc(&dev, &pool, 1000, s)
+        }
+    };
+    let t1 = thread::spawn(worker(dev.clone(), pool.clone()));
+    let t2 = thread::spawn(worker(dev.clone(), pool.clone()));
+    let (y1, y2) = (t1.join().unwrap(), t2.join().unwrap());
+    assert_ne!(y1.ptr(), y2.ptr());
+    let st = pool.stats();
+    assert_eq!((st.allocs, st.frees), (4, 2), "{st:?}");
+    assert_eq!(st.used_current, 2000, "{st:?}");
+    assert!(st.used_high >= 2000 && st.used_high <= 3000, "{st:?}");
+    assert!(st.cache_hits <= 2, "{st:?}");
+    free(&dev, &pool, y1, s);
+    free(&dev, &pool, y2, s);
+    teardown(dev, pool);
+}
+
+/// (b) Thread 1 frees a block on stream A (busy: its work never completes
+/// on its own) while thread 2 records an event on A, makes B wait on it
+/// through the pool and allocates on B. The device checks that B gets the
+/// block only when B is ordered after the free's work (the event was
+/// recorded after the free). Returns whether B reused the block.
+pub fn cross_stream_event() -> bool {
+    let (dev, pool) = setup(0);
+    let a = dev.create_stream().unwrap();
+    let b = dev.create_stream().unwrap();
+    dev.set_busy(a, true);
+    let x = alloc(&dev, &pool, GRANULARITY, a);
+    let x_ptr = x.ptr();
+    let t1 = {
+        let (dev, pool) = (dev.clone(), pool.clone());
+        thread::spawn(move || {
+            dev.launch(a); // the kernel that uses x
+            free(&dev, &pool, x, a);
+        })
+    };
+    let t2 = {
+        let (dev, pool) = (dev.clone(), pool.clone());
+        thread::spawn(move || {
+            let ev = pool.record_event(a).unwrap();
+            pool.wait_event(b, &ev).unwrap();
+            alloc(&dev, &pool, GRANULARITY, b)
+        })
+    };
+    t1.join().unwrap();
+    let y = t2.join().unwrap();
+    let reused = y.ptr() == x_ptr;
+    free(&dev, &pool, y, b);
+    dev.complete_all();
+    teardown(dev, pool);
+    reused
+}
+
+/// (c) Thread 1 frees a block on busy stream A, then A's work completes;
+/// thread 2 trims the pool to 0 meanwhile. Trim must never unmap a page of
+/// the live block nor of the free while A's work on it is pending (the
+/// device panics on such an unmap); once A is idle, a trim releases the
+/// freed page. Returns the bytes the concurrent trim released.
+pub fn trim_vs_pending() -> u64 {
+    let (dev, pool) = setup(0);
+    let a = dev.create_stream().unwrap();
+    dev.set_busy(a, true);
+    let x1 = alloc(&dev, &pool, GRANULARITY, a);
+    let x2 = alloc(&dev, &pool, GRANULARITY, a);
+    dev.launch(a); // work using both
+    let t1 = {
+        let (dev, pool) = (dev.clone(), pool.clone());
+        thread::spawn(move || {
+            free(&dev, &pool, x1, a);
+            dev.set_busy(a, false);
+        })
+    };
+    let t2 = {
+        let pool = pool.clone();
+        thread::spawn(move || pool.trim_to(0).unwrap())
+    };
+    t1.join().unwrap();
+    let released = t2.join().unwrap();
+    assert!(
+        released <= GRANULARITY as u64,
+        "trim released the live page"
+    );
+    assert!(dev.is_mapped(x2.ptr(), x2.size()));
+    // A is idle now: the freed page goes, the live one stays.
+    pool.trim_to(0).unwrap();
+    let st = pool.stats();
+    assert_eq!(st.reserved_current, GRANULARITY as u64, "{st:?}");
+    assert_eq!(st.releases, 1, "{st:?}");
+    free(&dev, &pool, x2, a);
+    teardown(dev, pool);
+    released
+}
+
+/// (d) Two threads free the same raw pointer: exactly one succeeds, the
+/// other gets `DoubleFree`, and the pool counts one free.
+pub fn raw_double_free() {
+    let (dev, pool) = setup(1024);
+    let s = dev.create_stream().unwrap();
+    let p = pool.alloc_raw(1000, s).unwrap();
+    let racer = |pool: MemPool<ModelDevice>| move || pool.free_raw(p, s);
+    let t1 = thread::spawn(racer(pool.clone()));
+    let t2 = thread::spawn(racer(pool.clone()));
+    let (r1, r2) = (t1.join().unwrap(), t2.join().unwrap());
+    match (&r1, &r2) {
+        (Ok(()), Err(PoolError::DoubleFree { ptr }))
+        | (Err(PoolError::DoubleFree { ptr }), Ok(())) => {
+            assert_eq!(*ptr, p)
+        }
+        _ => panic!("racing free_raw: {r1:?} / {r2:?}"),
+    }
+    let st = pool.stats();
+    assert_eq!((st.allocs, st.frees, st.used_current), (1, 1, 0), "{st:?}");
+    assert_eq!(pool.raw_size(p), None);
+    teardown(dev, pool);
+}
+
+/// (e) Each thread allocates, frees and allocates again on its own stream
+/// (cache hits and arena fits); at the end the statistics match the live
+/// set exactly.
+pub fn stats_live_set() {
+    let (dev, pool) = setup(1024);
+    let s1 = dev.create_stream().unwrap();
+    let s2 = dev.create_stream().unwrap();
+    let worker = |dev: Arc<ModelDevice>, pool: MemPool<ModelDevice>, s: Stream, n: usize| {
+        move || {
+            let x = alloc(&dev, &pool, n, s);
+            free(&dev, &pool, x, s);
+            alloc(&dev, &pool, 2 * n, s)
+        }
+    };
+    let t1 = thread::spawn(worker(dev.clone(), pool.clone(), s1, 500));
+    let t2 = thread::spawn(worker(dev.clone(), pool.clone(), s2, 700));
+    let (y1, y2) = (t1.join().unwrap(), t2.join().unwrap());
+    let live = [&y1, &y2];
+    let st = pool.stats();
+    let sum: u64 = live.iter().map(|a| a.size() as u64).sum();
+    assert_eq!(st.used_current, sum, "{st:?}");
+    assert_eq!(st.allocs - st.frees, live.len() as u64, "{st:?}");
+    assert!(st.used_high >= st.used_current, "{st:?}");
+    // The peak is at least the larger of the two threads' own peaks and at
+    // most everything at once.
+    assert!(
+        st.used_high >= 1400 && st.used_high <= 500 + 700 + 1000 + 1400,
+        "{st:?}"
+    );
+    free(&dev, &pool, y1, s1);
+    free(&dev, &pool, y2, s2);
+    let st = pool.stats();
+    assert_eq!((st.used_current, st.allocs, st.frees), (0, 4, 4), "{st:?}");
+    teardown(dev, pool);
+}
+
+/// (f) The lock-free switches: `set_reuse` stores `Relaxed` atomics that
+/// publish no other data. Thread 1 turns every reuse switch off and then
+/// tells thread 2 (Release/Acquire on the test's own flag); thread 2
+/// allocates on B, which has waited on an event covering a free on A. An
+/// allocation that happens after the switch (it saw the flag) must not
+/// follow the dependency; one that does not may do either. Returns
+/// (flag seen, block reused).
+pub fn reuse_switch_publication() -> (bool, bool) {
+    let (dev, pool) = setup(0);
+    let a = dev.create_stream().unwrap();
+    let b = dev.create_stream().unwrap();
+    dev.set_busy(a, true);
+    let x = alloc(&dev, &pool, GRANULARITY, a);
+    let x_ptr = x.ptr();
+    dev.launch(a);
+    free(&dev, &pool, x, a);
+    let ev: PoolEvent = pool.record_event(a).unwrap();
+    pool.wait_event(b, &ev).unwrap();
+    drop(ev);
+    let flag = Arc::new(AtomicBool::new(false));
+    let t1 = {
+        let (pool, flag) = (pool.clone(), flag.clone());
+        thread::spawn(move || {
+            pool.set_reuse(ReusePolicy {
+                follow_event_dependencies: false,
+                opportunistic: false,
+                internal_dependencies: false,
+                wait_for_pending_frees: false,
+            });
+            flag.store(true, Ordering::Release);
+        })
+    };
+    let t2 = {
+        let (dev, pool, flag) = (dev.clone(), pool.clone(), flag.clone());
+        thread::spawn(move || {
+            let seen = flag.load(Ordering::Acquire);
+            let y = alloc(&dev, &pool, GRANULARITY, b);
+            let reused = y.ptr() == x_ptr;
+            assert!(
+                !(seen && reused),
+                "an allocation ordered after set_reuse(off) followed an event dependency"
+            );
+            (seen, reused, y)
+        })
+    };
+    t1.join().unwrap();
+    let (seen, reused, y) = t2.join().unwrap();
+    assert!(!pool.reuse().follow_event_dependencies);
+    free(&dev, &pool, y, b);
+    dev.complete_all();
+    teardown(dev, pool);
+    (seen, reused)
+}
