@@ -19,12 +19,17 @@
 //! address, any sub-range of a filled range verifies, and two different tags
 //! differ in every word.
 //!
+//! [`stress::run_stress`] is the one stress harness over both (used by the
+//! tests in `tests/stress_ci.rs` and `tests/scenarios.rs` and by the
+//! `tidepool-soak` binary).
+//!
 //! This crate holds no `unsafe` (house rule: unsafe only in pool-sys).
 #![forbid(unsafe_code)]
 
 pub mod cuda;
 mod error;
 pub mod host;
+pub mod stress;
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
