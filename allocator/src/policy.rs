@@ -150,8 +150,8 @@ impl<D: Device> PoolInner<D> {
         // Step 3 after asking the device which frees completed, and after
         // the streams' private caches join the arena (so that neither
         // stitching nor growth happens while a fitting free range exists).
-        self.observe_completions(&mut st);
         self.flush_caches(&mut st);
+        self.observe_completions(&mut st);
         if let Some(off) = fit(&mut st, len, me, &clock, reuse) {
             return Ok(off);
         }

@@ -633,6 +633,24 @@ impl<D: Device> MemPool<D> {
         let entry = inner.entry(stream)?;
         let drained = {
             let mut st = lock(&entry.state);
+            if st.retired {
+                return Ok(());
+            }
+            // Close the epoch with an event, so the pool can still learn
+            // when the stream's last frees complete after it is retired
+            // (and the driver stream perhaps destroyed).
+            if st.frees_in_epoch && !inner.device.is_capturing(stream).unwrap_or(true) {
+                let event = inner.events.acquire()?;
+                match inner.device.record_event(event, stream) {
+                    Ok(()) => {
+                        st.close_epoch(event, inner.events.clone());
+                    }
+                    Err(e) => {
+                        crate::order::EventSink::release(&*inner.events, event);
+                        return Err(e.into());
+                    }
+                }
+            }
             st.retired = true;
             st.drain_cache()
         };

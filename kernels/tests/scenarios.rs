@@ -112,14 +112,13 @@ scenario_tests!(stolen_block, merged_donors, destroyed_stream, foreign_free);
 
 macro_rules! liveness_tests {
     ($($name:ident: $why:literal),* $(,)?) => {$(
+        #[doc = $why]
         mod $name {
             #[test]
-            #[ignore = $why]
             fn host() {
                 super::on_host(stringify!($name), super::$name::<tidepool_sys::host::HostDevice>);
             }
             #[test]
-            #[ignore = $why]
             fn cuda() {
                 super::on_cuda(stringify!($name), super::$name::<tidepool_sys::cuda::CudaDevice>);
             }
@@ -127,9 +126,9 @@ macro_rules! liveness_tests {
     )*};
 }
 
-// Liveness, not safety: the pool stays safe here but fails to hand out
-// memory it could. Ignored until the pool bugs are fixed (see
-// docs/reliability.md, "Pool bugs found"); run with `-- --ignored`.
+// Liveness, not safety: bugs where the pool stayed safe but failed to hand
+// out memory it could (fixed; see docs/reliability.md, "Pool bugs found").
+// `$why` names the bug each test guards against.
 liveness_tests!(
     liveness_retired_stream_frees_are_reused:
         "pool bug: retire_stream closes no epoch, so a retired stream's frees never complete",

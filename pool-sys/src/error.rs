@@ -111,11 +111,7 @@ pub enum SysError {
     /// machine); the host backend works without it.
     DriverUnavailable { reason: String },
     /// The CUDA driver returned an error code.
-    Driver {
-        op: Op,
-        code: u32,
-        name: String,
-    },
+    Driver { op: Op, code: u32, name: String },
     /// An operating-system call failed.
     Os { op: Op, errno: i32, message: String },
     /// Not enough device (or host-backend capacity) memory.
@@ -180,7 +176,10 @@ impl fmt::Display for SysError {
                 write!(f, "{op}: invalid argument: {reason}")
             }
             SysError::InvalidHandle { op, what, id } => {
-                write!(f, "{op}: {what} {id} does not exist (never created, or already destroyed)")
+                write!(
+                    f,
+                    "{op}: {what} {id} does not exist (never created, or already destroyed)"
+                )
             }
             SysError::Unsupported { op, reason } => write!(f, "{op}: not supported: {reason}"),
             SysError::Injected { op, call } => {
