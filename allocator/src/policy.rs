@@ -78,6 +78,15 @@ impl ArenaState {
         }
     }
 
+    /// Whether every free byte of page `p` is known complete, so the page
+    /// may be unmapped, moved or released.
+    pub fn page_complete(&self, p: usize) -> bool {
+        self.arena
+            .page_guards(p)
+            .into_iter()
+            .all(|g| self.is_complete(g))
+    }
+
     /// Steps 1–3: may `me`, whose waits are `clock`, reuse memory under
     /// `guard` now? `Some(class)`, lower is preferred; `None` = not yet.
     pub fn classify(
@@ -602,12 +611,7 @@ impl<D: Device> PoolInner<D> {
             let i = match st.arena.spare.pop() {
                 Some(i) => i,
                 None => {
-                    let victim = st.arena.idle_pages().find(|&p| {
-                        st.arena
-                            .page_guards(p)
-                            .into_iter()
-                            .all(|g| st.is_complete(g))
-                    });
+                    let victim = st.arena.idle_pages().find(|&p| st.page_complete(p));
                     let Some(p) = victim else { break };
                     st.arena.deactivate(p)
                 }
@@ -638,14 +642,7 @@ fn ghost_available(st: &State<'_>, p: usize) -> bool {
     };
     match st.arena.phys[phys].owner {
         None => true,
-        Some(q) => {
-            st.arena.users(q) == 0
-                && st
-                    .arena
-                    .page_guards(q)
-                    .into_iter()
-                    .all(|g| st.is_complete(g))
-        }
+        Some(q) => st.arena.users(q) == 0 && st.page_complete(q),
     }
 }
 
@@ -669,12 +666,7 @@ fn pick_victims(
         .arena
         .idle_pages()
         .filter(|p| !exclude.contains(p))
-        .filter(|&p| {
-            st.arena
-                .page_guards(p)
-                .into_iter()
-                .all(|g| st.is_complete(g))
-        })
+        .filter(|&p| st.page_complete(p))
         .collect();
     // idle_pages() is highest first: runs are descending sequences.
     let mut runs: Vec<(usize, usize)> = Vec::new(); // (start index in movable, len)
