@@ -115,6 +115,9 @@ pub(crate) struct StreamState {
     /// Same-stream frees kept for reuse by this stream, by block length.
     pub cache: HashMap<usize, Vec<CachedBlock>>,
     pub cached_bytes: usize,
+    /// The last epoch closed with no event because the driver stream was
+    /// already destroyed: its frees complete only by a device-wide wait.
+    pub orphaned: Option<u64>,
 }
 
 impl StreamState {
@@ -128,6 +131,7 @@ impl StreamState {
             recorded: VecDeque::new(),
             cache: HashMap::new(),
             cached_bytes: 0,
+            orphaned: None,
         }
     }
 
@@ -162,6 +166,16 @@ impl StreamState {
         self.epoch += 1;
         self.frees_in_epoch = false;
         epoch
+    }
+
+    /// Close the current epoch of a stream whose driver stream is gone (no
+    /// event can be recorded on it any more): the epoch's frees wait for a
+    /// device-wide synchronisation.
+    pub fn close_epoch_orphaned(&mut self) {
+        if self.frees_in_epoch {
+            let epoch = self.close_epoch_synced();
+            self.orphaned = Some(epoch);
+        }
     }
 
     /// The first recorded, not-yet-complete event that covers `epoch`.

@@ -10,7 +10,7 @@ use crate::stats::{Counters, PoolStats};
 use crate::sync::{lock, Arc, AtomicBool, AtomicU64, Mutex, Ordering, RwLock};
 use std::collections::HashMap;
 use std::fmt;
-use tidepool_sys::{Access, AccessDesc, Device, DevicePtr, Event, Stream, SysResult};
+use tidepool_sys::{Access, AccessDesc, Device, DevicePtr, Event, Stream, SysError, SysResult};
 
 /// Alignment of every pointer the pool hands out (CUDA guarantees 256).
 pub const ALIGNMENT: usize = 512;
@@ -537,21 +537,23 @@ impl<D: Device> MemPool<D> {
         let inner = &*self.inner;
         for (id, entry) in inner.all_streams() {
             let stream = lock(&entry.state).stream;
-            // Synchronising a stream that is being captured would break the
-            // user's capture: skip it (its frees stay pending).
-            if inner.device.is_capturing(stream).unwrap_or(true) {
+            if lock(&entry.state).retired {
                 continue;
             }
-            let (retired, epoch) = {
-                let mut st = lock(&entry.state);
-                (st.retired, st.close_epoch_synced())
-            };
-            if retired {
-                continue;
+            match inner.reach(stream) {
+                Reach::Live => {
+                    let epoch = lock(&entry.state).close_epoch_synced();
+                    inner.device.synchronize_stream(stream)?;
+                    inner.mark_synced(id, epoch);
+                }
+                // Destroyed without retire: waited for device-wide below.
+                Reach::Gone => lock(&entry.state).close_epoch_orphaned(),
+                // Synchronising a stream that is being captured would break
+                // the user's capture: skip it (its frees stay pending).
+                Reach::Untouchable => {}
             }
-            inner.device.synchronize_stream(stream)?;
-            inner.mark_synced(id, epoch);
         }
+        inner.settle_orphans()?;
         inner.release_to_threshold()
     }
 
@@ -631,45 +633,122 @@ impl<D: Device> MemPool<D> {
     pub fn retire_stream(&self, stream: Stream) -> Result<(), PoolError> {
         let inner = &*self.inner;
         let entry = inner.entry(stream)?;
-        let drained = {
+        let (drained, orphaned) = {
             let mut st = lock(&entry.state);
             if st.retired {
                 return Ok(());
             }
-            // Close the epoch with an event, so the pool can still learn
-            // when the stream's last frees complete after it is retired
-            // (and the driver stream perhaps destroyed).
-            if st.frees_in_epoch && !inner.device.is_capturing(stream).unwrap_or(true) {
-                let event = inner.events.acquire()?;
-                match inner.device.record_event(event, stream) {
-                    Ok(()) => {
-                        st.close_epoch(event, inner.events.clone());
+            // Close the epoch, so the pool can still learn when the stream's
+            // last frees complete after it is retired (and the driver stream
+            // perhaps destroyed): with an event, or — when the driver stream
+            // is already gone — by a device-wide wait below.
+            if st.frees_in_epoch {
+                match inner.reach(stream) {
+                    Reach::Live => {
+                        let event = inner.events.acquire()?;
+                        match inner.device.record_event(event, stream) {
+                            Ok(()) => {
+                                st.close_epoch(event, inner.events.clone());
+                            }
+                            Err(e) => {
+                                crate::order::EventSink::release(&*inner.events, event);
+                                return Err(e.into());
+                            }
+                        }
                     }
-                    Err(e) => {
-                        crate::order::EventSink::release(&*inner.events, event);
-                        return Err(e.into());
-                    }
+                    Reach::Gone => st.close_epoch_orphaned(),
+                    Reach::Untouchable => {}
                 }
             }
             st.retired = true;
-            st.drain_cache()
+            (st.drain_cache(), st.orphaned.is_some())
         };
-        let mut arena = lock(&inner.arena);
-        for (len, b) in drained {
-            arena.arena.give_back(
-                b.offset,
-                len,
-                Guard::After {
-                    stream: stream.id(),
-                    epoch: b.epoch,
-                },
-            );
+        {
+            let mut arena = lock(&inner.arena);
+            for (len, b) in drained {
+                arena.arena.give_back(
+                    b.offset,
+                    len,
+                    Guard::After {
+                        stream: stream.id(),
+                        epoch: b.epoch,
+                    },
+                );
+            }
+        }
+        if orphaned {
+            inner.settle_orphans()?;
         }
         Ok(())
     }
 }
 
+/// What the pool may still do with a stream's driver handle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Reach {
+    /// Record events on it, synchronise it.
+    Live,
+    /// Destroyed (without `retire_stream` first): work it had queued still
+    /// runs, but only a device-wide synchronisation can wait for it.
+    Gone,
+    /// Being captured into a graph, or its state cannot be learned: touching
+    /// it could break a capture, so the pool leaves it alone.
+    Untouchable,
+}
+
 impl<D: Device> PoolInner<D> {
+    pub(crate) fn reach(&self, stream: Stream) -> Reach {
+        match self.device.is_capturing(stream) {
+            Ok(false) => Reach::Live,
+            Err(SysError::InvalidHandle { what: "stream", .. }) => Reach::Gone,
+            Ok(true) | Err(_) => Reach::Untouchable,
+        }
+    }
+
+    /// Wait on the host, device-wide, for the frees of streams destroyed
+    /// before the pool could record an event on them, and mark them
+    /// complete. Returns whether every orphaned free is now complete; it
+    /// waits for nothing (false) while a stream known to the pool is being
+    /// captured, since a device-wide wait would break that capture.
+    pub(crate) fn settle_orphans(&self) -> Result<bool, PoolError> {
+        let all = self.all_streams();
+        let orphans: Vec<(u64, u64)> = all
+            .iter()
+            .filter_map(|(id, e)| lock(&e.state).orphaned.map(|epoch| (*id, epoch)))
+            .collect();
+        if orphans.is_empty() {
+            return Ok(true);
+        }
+        for (_, e) in &all {
+            let stream = lock(&e.state).stream;
+            if self.reach(stream) == Reach::Untouchable {
+                tracing::warn!(
+                    pool = self.id,
+                    %stream,
+                    "frees of destroyed streams stay pending: a stream is being captured"
+                );
+                return Ok(false);
+            }
+        }
+        tracing::warn!(
+            pool = self.id,
+            streams = orphans.len(),
+            "streams were destroyed with frees pending and no retire_stream: \
+             synchronising the device to learn when those frees complete"
+        );
+        self.device.synchronize_device()?;
+        for (id, epoch) in orphans {
+            self.mark_synced(id, epoch);
+            if let Some((_, e)) = all.iter().find(|(i, _)| *i == id) {
+                let mut st = lock(&e.state);
+                if st.orphaned == Some(epoch) {
+                    st.orphaned = None;
+                }
+            }
+        }
+        Ok(true)
+    }
+
     pub fn reuse(&self) -> ReusePolicy {
         ReusePolicy {
             follow_event_dependencies: self.follow.load(Ordering::Relaxed),
@@ -737,22 +816,37 @@ impl<D: Device> Drop for PoolInner<D> {
         // work before taking the memory away.
         for (_, entry) in self.all_streams() {
             let mut st = lock(&entry.state);
-            if st.frees_in_epoch
-                && !st.retired
-                && !self.device.is_capturing(st.stream).unwrap_or(true)
-            {
-                if let Ok(ev) = self.events.acquire() {
-                    if self.device.record_event(ev, st.stream).is_ok() {
-                        st.close_epoch(ev, self.events.clone());
-                    } else {
-                        self.events.release(ev);
+            if st.frees_in_epoch && !st.retired {
+                match self.reach(st.stream) {
+                    Reach::Live => {
+                        if let Ok(ev) = self.events.acquire() {
+                            if self.device.record_event(ev, st.stream).is_ok() {
+                                st.close_epoch(ev, self.events.clone());
+                            } else {
+                                self.events.release(ev);
+                            }
+                        }
                     }
+                    Reach::Gone => st.close_epoch_orphaned(),
+                    Reach::Untouchable => {}
                 }
             }
             for rec in st.recorded.drain(..) {
                 if let Err(e) = self.device.synchronize_event(rec.event) {
                     tracing::warn!(error = %e, "waiting for a pending free while dropping the pool failed");
                 }
+            }
+        }
+        // Streams destroyed with frees pending: their work may still use the
+        // memory about to be unmapped.
+        match self.settle_orphans() {
+            Ok(true) => {}
+            Ok(false) => tracing::warn!(
+                pool = self.id,
+                "pool dropped while frees of destroyed streams may still run"
+            ),
+            Err(e) => {
+                tracing::warn!(error = %e, "waiting for destroyed streams while dropping the pool failed")
             }
         }
         let used = self.counters.used_current.load(Ordering::Relaxed);

@@ -88,6 +88,9 @@ impl Device for Watch {
         self.check("synchronize_stream", stream);
         self.inner.synchronize_stream(stream)
     }
+    fn synchronize_device(&self) -> SysResult<()> {
+        self.inner.synchronize_device()
+    }
     fn query_stream(&self, stream: Stream) -> SysResult<bool> {
         self.check("query_stream", stream);
         self.inner.query_stream(stream)

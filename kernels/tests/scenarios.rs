@@ -416,15 +416,20 @@ fn destroyed_stream<D: Backend>(dev: &Arc<D>, k: &dyn TagKernels) {
                 newcomer(k, b, y.ptr(), page, 0xDEAD_000B, LONG * 2);
                 pool.free_async(y, b).expect("free on b");
             }
-            assert_clean(k, &what);
             if !retire {
-                // The contract asks for a retire before the destroy; the
-                // pool's synchronize() fails on a destroyed stream it was
-                // not told about, so retire it now.
+                // The contract asks for a retire before the destroy; a late
+                // retire finds the driver stream gone, so the pool can only
+                // learn that a's frees completed by a device-wide wait.
                 pool.retire_stream(a).expect("retire_stream after destroy");
             }
             pool.synchronize().expect("synchronize");
+            // Dropping the pool unmaps everything: a's queued work (when b
+            // had nothing to wait for) must not find its memory gone. The
+            // counters are read after the drop so that they see it.
             drop(pool);
+            dev.synchronize_device()
+                .unwrap_or_else(|e| panic!("{what}: device-wide wait after the pool's drop: {e}"));
+            assert_clean(k, &what);
             destroy(&**dev, &fresh);
         }
     }

@@ -508,6 +508,15 @@ impl Device for ModelDevice {
         Ok(())
     }
 
+    fn synchronize_device(&self) -> SysResult<()> {
+        let mut st = lock(&self.st);
+        let all: Vec<(u64, u64)> = st.streams.iter().map(|(&s, m)| (s, m.issued)).collect();
+        for (s, q) in all {
+            st.force(s, q);
+        }
+        Ok(())
+    }
+
     fn query_stream(&self, stream: Stream) -> SysResult<bool> {
         let mut st = lock(&self.st);
         st.progress();

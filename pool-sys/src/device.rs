@@ -131,6 +131,11 @@ pub trait Device: Send + Sync + 'static {
     fn adopt_stream(&self, raw: usize) -> SysResult<Stream>;
     /// Block until all work queued on the stream is done.
     fn synchronize_stream(&self, stream: Stream) -> SysResult<()>;
+    /// Block until all work queued on every stream of the device is done,
+    /// including streams destroyed since (whose queued work still runs).
+    /// The only way to wait for the work of a stream that is gone; it breaks
+    /// a capture in progress on any stream, so callers check first.
+    fn synchronize_device(&self) -> SysResult<()>;
     /// Whether all work queued on the stream is done.
     fn query_stream(&self, stream: Stream) -> SysResult<bool>;
     /// Whether the stream is being captured into a graph.

@@ -195,6 +195,10 @@ impl<D: Device> Device for FaultInjector<D> {
         self.check(Op::SynchronizeStream)?;
         self.inner.synchronize_stream(stream)
     }
+    fn synchronize_device(&self) -> SysResult<()> {
+        self.check(Op::SynchronizeDevice)?;
+        self.inner.synchronize_device()
+    }
     fn query_stream(&self, stream: Stream) -> SysResult<bool> {
         self.check(Op::QueryStream)?;
         self.inner.query_stream(stream)

@@ -438,6 +438,9 @@ pub struct HostDevice {
     streams: Mutex<HashMap<u64, Arc<StreamState>>>,
     /// Worker threads of all streams, live or destroyed, joined on drop.
     workers: Mutex<Vec<JoinHandle<()>>>,
+    /// Destroyed streams whose queued work may still run, for
+    /// `synchronize_device` (dropped from the list once drained).
+    draining: Mutex<Vec<Arc<StreamState>>>,
     events: Mutex<HashMap<u64, EventState>>,
     capturing: Mutex<HashSet<u64>>,
     default_stream: Stream,
@@ -489,6 +492,7 @@ impl HostDevice {
             physical: Mutex::new(HashMap::new()),
             streams: Mutex::new(HashMap::new()),
             workers: Mutex::new(Vec::new()),
+            draining: Mutex::new(Vec::new()),
             events: Mutex::new(HashMap::new()),
             capturing: Mutex::new(HashSet::new()),
             default_stream: Stream(0),
@@ -1028,6 +1032,9 @@ impl Device for HostDevice {
         // Dropping the sender lets the worker drain the queue and exit; it is
         // joined when the device drops.
         lock(&state.sender).take();
+        let mut draining = lock(&self.draining);
+        draining.retain(|s| !s.is_done(s.submitted()));
+        draining.push(state);
         Ok(())
     }
 
@@ -1046,6 +1053,24 @@ impl Device for HostDevice {
         let s = self.stream(Op::SynchronizeStream, stream)?;
         let target = s.submitted();
         s.wait_for(target);
+        Ok(())
+    }
+
+    fn synchronize_device(&self) -> SysResult<()> {
+        let op = Op::SynchronizeDevice;
+        // As strict as the driver: a device-wide wait is illegal while a
+        // stream is being captured.
+        if !lock(&self.capturing).is_empty() {
+            return Err(invalid(op, "a stream of the device is being captured"));
+        }
+        let mut all: Vec<Arc<StreamState>> = lock(&self.streams).values().cloned().collect();
+        all.extend(lock(&self.draining).iter().cloned());
+        // Streams may wait on each other's events; waiting for each stream's
+        // submitted count in turn still ends with all of them drained.
+        for s in &all {
+            s.wait_for(s.submitted());
+        }
+        lock(&self.draining).retain(|s| !s.is_done(s.submitted()));
         Ok(())
     }
 

@@ -373,3 +373,47 @@ fn drop_drains_queued_work() {
         "drop returned before the work ran"
     );
 }
+
+#[test]
+fn synchronize_device_waits_for_live_and_destroyed_streams() {
+    let d = device();
+    let live = d.create_stream().unwrap();
+    let gone = d.create_stream().unwrap();
+    let done = Arc::new(AtomicU32::new(0));
+    for (s, ms) in [(live, 10), (gone, 300)] {
+        d.launch_host(s, sleep_ms(ms)).unwrap();
+        let done = done.clone();
+        d.launch_host(
+            s,
+            Box::new(move || {
+                done.fetch_add(1, Ordering::SeqCst);
+            }),
+        )
+        .unwrap();
+    }
+    d.destroy_stream(gone).unwrap();
+    d.synchronize_device().unwrap();
+    assert_eq!(
+        done.load(Ordering::SeqCst),
+        2,
+        "synchronize_device returned before a (destroyed) stream's work finished"
+    );
+    d.destroy_stream(live).unwrap();
+}
+
+#[test]
+fn synchronize_device_is_refused_while_a_stream_is_captured() {
+    let d = device();
+    let s = d.create_stream().unwrap();
+    d.set_capturing(s, true);
+    assert!(matches!(
+        d.synchronize_device(),
+        Err(SysError::InvalidArgument {
+            op: Op::SynchronizeDevice,
+            ..
+        })
+    ));
+    d.set_capturing(s, false);
+    d.synchronize_device().unwrap();
+    d.destroy_stream(s).unwrap();
+}

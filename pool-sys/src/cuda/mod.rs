@@ -803,6 +803,13 @@ impl Device for CudaDevice {
         check(op, unsafe { sys::cuStreamSynchronize(obj.raw) })
     }
 
+    fn synchronize_device(&self) -> SysResult<()> {
+        let op = Op::SynchronizeDevice;
+        self.bind(op)?;
+        // SAFETY: the context is current (bind); no arguments.
+        check(op, unsafe { sys::cuCtxSynchronize() })
+    }
+
     fn query_stream(&self, stream: Stream) -> SysResult<bool> {
         let op = Op::QueryStream;
         self.bind(op)?;
