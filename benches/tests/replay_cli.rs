@@ -4,14 +4,41 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
+/// The package directory at run time (the GPU runner sets the variable).
+fn manifest_dir() -> PathBuf {
+    std::env::var("CARGO_MANIFEST_DIR")
+        .unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").into())
+        .into()
+}
+
 fn trace(name: &str) -> PathBuf {
-    let dir =
-        std::env::var("CARGO_MANIFEST_DIR").unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").into());
-    PathBuf::from(dir).join("traces").join(name)
+    manifest_dir().join("traces").join(name)
+}
+
+/// The binary, found at run time: `TIDEPOOL_REPLAY_BIN` if set, else the
+/// path cargo compiled in when it exists (a `cargo test` run), else the copy
+/// staged by `stage-gpu.sh` in `.gpu/bin/` of the checkout (a GPU machine,
+/// where the compile-time path is the CPU machine's).
+fn replay_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("TIDEPOOL_REPLAY_BIN") {
+        return p.into();
+    }
+    let built = PathBuf::from(env!("CARGO_BIN_EXE_tidepool-replay"));
+    if built.exists() {
+        return built;
+    }
+    let staged = manifest_dir().join("../.gpu/bin/tidepool-replay");
+    assert!(
+        staged.exists(),
+        "tidepool-replay not found at {} nor {}; set TIDEPOOL_REPLAY_BIN",
+        built.display(),
+        staged.display()
+    );
+    staged
 }
 
 fn run(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tidepool-replay"))
+    Command::new(replay_bin())
         .args(args)
         .output()
         .expect("run tidepool-replay")
