@@ -135,6 +135,9 @@ liveness_tests!(
     liveness_cached_frees_merge_after_completion:
         "pool bug: acquire() flushes stream caches after observe_completions, so flushed \
          frees known complete are neither upgraded nor merged",
+    liveness_fragmented_pool_has_no_false_oom:
+        "no false out-of-memory: free pages whose sum covers a request that no free range \
+         fits are stitched into one range (issue 5), and live blocks keep their contents",
 );
 
 // ---------------------------------------------------------------------------
@@ -587,6 +590,67 @@ fn liveness_cached_frees_merge_after_completion<D: Backend>(dev: &Arc<D>, k: &dy
     newcomer(k, c, z.ptr(), page, 0x11FE_100C, SHORT);
     pool.free_async(z, c).expect("free on c");
     assert_clean(k, "liveness_cached_frees_merge_after_completion");
+    pool.synchronize().expect("synchronize");
+    drop(pool);
+    destroy(&**dev, &s);
+}
+
+/// A pool capped at 8 pages, full of half-page blocks; every other page's
+/// blocks are freed (and complete), so 4 pages are free but no free range
+/// holds 2. A 2-page request on the freeing stream and on a second stream
+/// must be served by stitching (no growth, no out-of-memory), while the
+/// live blocks, tagged before, verify after.
+fn liveness_fragmented_pool_has_no_false_oom<D: Backend>(dev: &Arc<D>, k: &dyn TagKernels) {
+    let page = dev.granularity();
+    let pool = make_pool(dev, Some(8 * page as u64), false, all_on());
+    let s = streams(&**dev, 2);
+    let blocks: Vec<_> = (0..16)
+        .map(|_| pool.alloc_async(page / 2, s[0]).expect("half-page block"))
+        .collect();
+    assert_eq!(pool.stats().reserved_current, 8 * page as u64);
+    let page_of = move |p: u64| p / page as u64;
+    let mut live = Vec::new();
+    for (i, a) in blocks.iter().enumerate() {
+        if page_of(a.ptr()) % 2 == 1 {
+            k.fill_tag(s[0], a.ptr(), a.size(), 0xF7A6_0000 + i as u32)
+                .expect("fill");
+        }
+    }
+    for (i, a) in blocks.into_iter().enumerate() {
+        if page_of(a.ptr()) % 2 == 1 {
+            live.push((a, 0xF7A6_0000 + i as u32));
+        } else {
+            pool.free_async(a, s[0]).expect("free");
+        }
+    }
+    assert_eq!(live.len(), 8, "half-page blocks did not pack two per page");
+    dev.synchronize_stream(s[0]).expect("sync");
+    for (n, &st) in s.iter().enumerate() {
+        let before = pool.stats();
+        let big = pool
+            .alloc_async(2 * page, st)
+            .unwrap_or_else(|e| panic!("false out-of-memory on stream {n}: {e}"));
+        let after = pool.stats();
+        assert_eq!(after.growths, before.growths, "the pool grew past its cap");
+        assert!(after.reserved_current <= 8 * page as u64);
+        if n == 0 {
+            // The second request may find the first one's stitched range.
+            assert!(
+                after.remaps + after.rebinds > before.remaps + before.rebinds,
+                "served without stitching? {after:?}"
+            );
+        }
+        newcomer(k, st, big.ptr(), 2 * page, 0xF7A6_0B00 + n as u32, SHORT);
+        for (a, tag) in &live {
+            k.verify_tag(st, a.ptr(), a.size(), *tag).expect("verify");
+        }
+        pool.free_async(big, st).expect("free");
+        dev.synchronize_stream(st).expect("sync");
+    }
+    assert_clean(k, "liveness_fragmented_pool_has_no_false_oom");
+    for (a, _) in live {
+        pool.free_async(a, s[0]).expect("free");
+    }
     pool.synchronize().expect("synchronize");
     drop(pool);
     destroy(&**dev, &s);
