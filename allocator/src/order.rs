@@ -91,6 +91,29 @@ impl std::fmt::Debug for EventRecord {
     }
 }
 
+/// Hashes a block length for the stream cache. Lengths are multiples of
+/// 512; SipHash (std's default) was a measurable share of the alloc+free
+/// fast path, and these keys come from the pool, not from an adversary.
+#[derive(Default)]
+pub(crate) struct LenHasher(u64);
+
+impl std::hash::Hasher for LenHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    fn write_usize(&mut self, n: usize) {
+        let h = (n as u64 >> 9).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        self.0 = h ^ (h >> 29);
+    }
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+pub(crate) type BuildLenHasher = std::hash::BuildHasherDefault<LenHasher>;
+
 /// A block freed on a stream and kept in that stream's private cache.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct CachedBlock {
@@ -113,8 +136,10 @@ pub(crate) struct StreamState {
     /// Events recorded on this stream, not yet observed complete, oldest first.
     pub recorded: VecDeque<Arc<EventRecord>>,
     /// Same-stream frees kept for reuse by this stream, by block length.
-    pub cache: HashMap<usize, Vec<CachedBlock>>,
+    pub cache: HashMap<usize, Vec<CachedBlock>, BuildLenHasher>,
     pub cached_bytes: usize,
+    /// This stream's share of the pool's counters.
+    pub counters: crate::stats::StreamCounters,
     /// The last epoch closed with no event because the driver stream was
     /// already destroyed: its frees complete only by a device-wide wait.
     pub orphaned: Option<u64>,
@@ -129,8 +154,9 @@ impl StreamState {
             frees_in_epoch: false,
             clock: VectorClock::default(),
             recorded: VecDeque::new(),
-            cache: HashMap::new(),
+            cache: HashMap::default(),
             cached_bytes: 0,
+            counters: Default::default(),
             orphaned: None,
         }
     }

@@ -165,6 +165,49 @@ pub(crate) struct StreamEntry {
     pub state: Mutex<StreamState>,
 }
 
+/// The last few stream entries this thread used, keyed by pool id and stream
+/// id (both never reused, and entries are never removed from a pool, so a
+/// hit is always the right entry). Spares the hot path the stream table's
+/// shared lock and hashing. An entry of a dropped pool lingers here until
+/// evicted; it holds no device resources by then (the pool's drop drained
+/// its events).
+#[cfg(not(loom))]
+mod recent_entries {
+    use super::StreamEntry;
+    use std::cell::RefCell;
+    use std::sync::Arc;
+
+    const SLOTS: usize = 4;
+
+    type Slot = (u64, u64, Arc<StreamEntry>);
+
+    thread_local! {
+        static RECENT: RefCell<Vec<Slot>> = const { RefCell::new(Vec::new()) };
+    }
+
+    pub(super) fn get(pool: u64, stream: u64) -> Option<Arc<StreamEntry>> {
+        RECENT
+            .try_with(|r| {
+                r.borrow()
+                    .iter()
+                    .find(|(p, s, _)| *p == pool && *s == stream)
+                    .map(|(_, _, e)| e.clone())
+            })
+            .ok()
+            .flatten()
+    }
+
+    pub(super) fn put(pool: u64, stream: u64, entry: &Arc<StreamEntry>) {
+        let _ = RECENT.try_with(|r| {
+            let mut r = r.borrow_mut();
+            if r.len() == SLOTS {
+                r.remove(0);
+            }
+            r.push((pool, stream, entry.clone()));
+        });
+    }
+}
+
 pub(crate) struct PoolInner<D: Device> {
     pub id: u64,
     pub device: Arc<D>,
@@ -277,7 +320,7 @@ impl<D: Device> MemPool<D> {
             release_threshold: AtomicU64::new(config.release_threshold),
             arena: Mutex::new(ArenaState::new(Arena::new(va_size, page))),
             streams: RwLock::new(HashMap::new()),
-            counters: Counters::default(),
+            counters: Counters::new(config.exact_used_high),
             events: Arc::new(EventRecycler {
                 device: device.clone(),
                 free: Mutex::new(Vec::new()),
@@ -316,7 +359,7 @@ impl<D: Device> MemPool<D> {
     pub fn alloc_async(&self, size: usize, stream: Stream) -> Result<Allocation, PoolError> {
         let inner = &*self.inner;
         if size == 0 {
-            inner.counters.on_alloc(0, false);
+            Counters::bump(&inner.counters.zero_allocs);
             return Ok(Allocation {
                 ptr: 0,
                 size: 0,
@@ -346,8 +389,8 @@ impl<D: Device> MemPool<D> {
             }
             if let Some(block) = st.cache.get_mut(&len).and_then(Vec::pop) {
                 st.cached_bytes -= len;
+                inner.counters.on_alloc(&mut st.counters, size as u64, true);
                 drop(st);
-                inner.counters.on_alloc(size as u64, true);
                 tracing::trace!(
                     pool = inner.id,
                     size,
@@ -377,7 +420,9 @@ impl<D: Device> MemPool<D> {
                 return Err(e);
             }
         };
-        inner.counters.on_alloc(size as u64, false);
+        inner
+            .counters
+            .on_alloc(&mut lock(&entry.state).counters, size as u64, false);
         tracing::trace!(pool = inner.id, size, stream = stream.id(), offset, "alloc");
         Ok(Allocation {
             ptr: inner.base + offset as u64,
@@ -402,7 +447,7 @@ impl<D: Device> MemPool<D> {
             return fail(PoolError::WrongPool { ptr }, allocation);
         }
         if allocation.len == 0 {
-            inner.counters.on_free(0);
+            Counters::bump(&inner.counters.zero_frees);
             return Ok(());
         }
         if inner.config.check_capture {
@@ -438,6 +483,9 @@ impl<D: Device> MemPool<D> {
                 return fail(PoolError::StreamRetired { stream }, allocation);
             }
             st.frees_in_epoch = true;
+            inner
+                .counters
+                .on_free(&mut st.counters, allocation.size as u64);
             let epoch = st.epoch;
             if st.cached_bytes + len <= inner.config.stream_cache_bytes {
                 st.cached_bytes += len;
@@ -460,7 +508,6 @@ impl<D: Device> MemPool<D> {
                 },
             );
         }
-        inner.counters.on_free(allocation.size as u64);
         tracing::trace!(
             pool = inner.id,
             size = allocation.size,
@@ -568,15 +615,17 @@ impl<D: Device> MemPool<D> {
     pub fn stats(&self) -> PoolStats {
         let inner = &*self.inner;
         let c = &inner.counters;
+        let streams = inner.stream_counters();
+        let (used_current, used_high) = inner.used_now_and_high(&streams);
         let st = lock(&inner.arena);
         PoolStats {
             reserved_current: st.arena.reserved,
             reserved_high: st.arena.reserved_high,
-            used_current: c.used_current.load(Ordering::Relaxed),
-            used_high: c.used_high.load(Ordering::Relaxed),
-            allocs: c.allocs.load(Ordering::Relaxed),
-            frees: c.frees.load(Ordering::Relaxed),
-            cache_hits: c.cache_hits.load(Ordering::Relaxed),
+            used_current,
+            used_high,
+            allocs: streams.allocs + c.zero_allocs.load(Ordering::Relaxed),
+            frees: streams.frees + c.zero_frees.load(Ordering::Relaxed),
+            cache_hits: streams.cache_hits,
             growths: st.arena.growths,
             releases: st.arena.releases,
             remaps: st.arena.remaps,
@@ -589,9 +638,9 @@ impl<D: Device> MemPool<D> {
     /// Reset the high-water marks to the current values.
     pub fn reset_peaks(&self) {
         let inner = &*self.inner;
+        let used = inner.used_current();
         let mut st = lock(&inner.arena);
         st.arena.reserved_high = st.arena.reserved;
-        let used = inner.counters.used_current.load(Ordering::Relaxed);
         inner.counters.used_high.store(used, Ordering::Relaxed);
     }
 
@@ -749,6 +798,42 @@ impl<D: Device> PoolInner<D> {
         Ok(true)
     }
 
+    /// The streams' counters, summed.
+    pub(crate) fn stream_counters(&self) -> crate::stats::StreamCounters {
+        let mut sum = crate::stats::StreamCounters::default();
+        for (_, e) in self.all_streams() {
+            let c = lock(&e.state).counters;
+            sum.allocs += c.allocs;
+            sum.frees += c.frees;
+            sum.cache_hits += c.cache_hits;
+            sum.used += c.used;
+        }
+        sum
+    }
+
+    /// `used_current` and `used_high` now (see [`PoolConfig::exact_used_high`]).
+    fn used_now_and_high(&self, streams: &crate::stats::StreamCounters) -> (u64, u64) {
+        let c = &self.counters;
+        if c.exact_used {
+            return (
+                c.used_current.load(Ordering::Relaxed),
+                c.used_high.load(Ordering::Relaxed),
+            );
+        }
+        let now = streams.used.max(0) as u64;
+        let high = c.used_high.fetch_max(now, Ordering::Relaxed).max(now);
+        (now, high)
+    }
+
+    /// Bytes in live allocations now.
+    pub(crate) fn used_current(&self) -> u64 {
+        if self.counters.exact_used {
+            self.counters.used_current.load(Ordering::Relaxed)
+        } else {
+            self.stream_counters().used.max(0) as u64
+        }
+    }
+
     pub fn reuse(&self) -> ReusePolicy {
         ReusePolicy {
             follow_event_dependencies: self.follow.load(Ordering::Relaxed),
@@ -762,23 +847,33 @@ impl<D: Device> PoolInner<D> {
     /// reused by the backend, so a stream's state is never confused with
     /// that of a destroyed stream whose driver handle was recycled.
     pub fn entry(&self, stream: Stream) -> Result<Arc<StreamEntry>, PoolError> {
+        #[cfg(not(loom))]
+        if let Some(e) = recent_entries::get(self.id, stream.id()) {
+            return Ok(e);
+        }
+        let e = self.entry_from_table(stream);
+        #[cfg(not(loom))]
+        recent_entries::put(self.id, stream.id(), &e);
+        Ok(e)
+    }
+
+    fn entry_from_table(&self, stream: Stream) -> Arc<StreamEntry> {
         if let Some(e) = self
             .streams
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .get(&stream.id())
         {
-            return Ok(e.clone());
+            return e.clone();
         }
         let mut map = self.streams.write().unwrap_or_else(|p| p.into_inner());
-        Ok(map
-            .entry(stream.id())
+        map.entry(stream.id())
             .or_insert_with(|| {
                 Arc::new(StreamEntry {
                     state: Mutex::new(StreamState::new(stream)),
                 })
             })
-            .clone())
+            .clone()
     }
 
     pub fn all_streams(&self) -> Vec<(u64, Arc<StreamEntry>)> {
@@ -849,7 +944,7 @@ impl<D: Device> Drop for PoolInner<D> {
                 tracing::warn!(error = %e, "waiting for destroyed streams while dropping the pool failed")
             }
         }
-        let used = self.counters.used_current.load(Ordering::Relaxed);
+        let used = self.used_current();
         if used > 0 {
             tracing::warn!(
                 pool = self.id,

@@ -223,8 +223,20 @@ fn trim_never_releases_a_pending_free() {
 /// alloc/free counts, cache hits, growths, releases, ooms.
 #[test]
 fn stats_track_reserved_used_and_counters() {
+    // (Every step reads stats(), so per-stream counters see every high too.)
+    for exact in [true, false] {
+        stats_track_reserved_used_and_counters_with(exact);
+    }
+}
+
+fn stats_track_reserved_used_and_counters_with(exact_used_high: bool) {
     let dev = Arc::new(host());
-    let pool = pool(&dev, config().with_max_size(8 * PAGE as u64));
+    let pool = pool(
+        &dev,
+        config()
+            .with_max_size(8 * PAGE as u64)
+            .with_exact_used_high(exact_used_high),
+    );
     let s = dev.create_stream().unwrap();
     assert_eq!(pool.stats(), tidepool::PoolStats::default());
     let a = pool.alloc_async(1000, s).unwrap();
@@ -272,6 +284,60 @@ fn stats_track_reserved_used_and_counters() {
     pool.reset_peaks();
     let st = pool.stats();
     assert_eq!((st.reserved_high, st.used_high), (0, 0));
+}
+
+/// Rule: with per-stream counters (`exact_used_high` off), allocations and
+/// frees on different streams and threads still sum to exact counts and an
+/// exact `used_current`; `used_high` never falls below what `stats()` saw.
+/// With exact tracking, `used_high` is the true peak even when no `stats()`
+/// call saw it.
+/// Catches: counters lost or double-counted across streams, a used_high
+/// that misses a peak in exact mode.
+#[test]
+fn stats_sum_over_streams_and_threads() {
+    for exact in [true, false] {
+        let dev = Arc::new(host());
+        let pool = pool(&dev, config().with_exact_used_high(exact));
+        let s = streams(&*dev, 4);
+        // Allocated on one stream, freed on another (ordered by an event).
+        let a = pool.alloc_async(3000, s[0]).unwrap();
+        let ev = pool.record_event(s[0]).unwrap();
+        pool.wait_event(s[1], &ev).unwrap();
+        pool.free_async(a, s[1]).unwrap();
+        let st = pool.stats();
+        assert_eq!((st.used_current, st.allocs, st.frees), (0, 1, 1));
+        if exact {
+            assert_eq!(st.used_high, 3000, "the unobserved peak");
+        }
+        let threads: Vec<_> = s
+            .iter()
+            .map(|&stream| {
+                let pool = pool.clone();
+                std::thread::spawn(move || {
+                    for i in 0..500usize {
+                        let x = pool.alloc_async(512 * (1 + i % 7), stream).unwrap();
+                        pool.free_async(x, stream).unwrap();
+                    }
+                    let keep = pool.alloc_async(10_000, stream).unwrap();
+                    (stream, keep)
+                })
+            })
+            .collect();
+        let kept: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        let st = pool.stats();
+        assert_eq!(st.allocs, 1 + 4 * 501);
+        assert_eq!(st.frees, 1 + 4 * 500);
+        assert_eq!(st.used_current, 40_000);
+        assert!(st.used_high >= 40_000);
+        for (stream, x) in kept {
+            pool.free_async(x, stream).unwrap();
+        }
+        let st = pool.stats();
+        assert_eq!((st.used_current, st.frees), (0, 1 + 4 * 501));
+        assert!(st.used_high >= 40_000);
+        pool.reset_peaks();
+        assert_eq!(pool.stats().used_high, 0);
+    }
 }
 
 /// Rule: defragmentation — capped at 8 pages and full; whole pages freed

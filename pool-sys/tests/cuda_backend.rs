@@ -414,7 +414,18 @@ fn stream_ids_are_never_reused() {
     for _ in 0..100 {
         let s = dev.create_stream().unwrap();
         assert!(seen.insert(s), "stream id {s} issued twice");
+        // Resolve it on this thread first (the thread's cache of recently
+        // used streams must forget it on destroy).
+        assert!(!dev.is_capturing(s).unwrap());
         dev.destroy_stream(s).unwrap();
+        assert!(matches!(
+            dev.is_capturing(s),
+            Err(SysError::InvalidHandle { .. })
+        ));
+        assert!(matches!(
+            dev.query_stream(s),
+            Err(SysError::InvalidHandle { .. })
+        ));
         last = Some(s);
     }
     let last = last.unwrap();
