@@ -142,6 +142,12 @@ def targets(rows):
                      f"{fmt_rate(d['ops_per_sec'])} = {f:.1f}× | {'yes' if f >= 100 else 'no'} |")
     else:
         lines.append("| 16-thread aggregate ≥ 100× the driver pool's | not measured | — |")
+    for variant in ("tidepool-sharded", "tidepool-sharded-nocheck"):
+        v = get("threads", variant, "16")
+        if v and d:
+            f = v["ops_per_sec"] / d["ops_per_sec"]
+            lines.append(f"| (same, `{variant}`) | {fmt_rate(v['ops_per_sec'])} vs "
+                         f"{fmt_rate(d['ops_per_sec'])} = {f:.1f}× | {'yes' if f >= 100 else 'no'} |")
     for p in params_in_order([r for r in rows if r["bench"] == "trace_replay"]):
         t, d = get("trace_replay", TIDEPOOL, p), get("trace_replay", "driver-pool", p)
         if t and d:
