@@ -487,7 +487,12 @@ impl<D: Device> MemPool<D> {
                 .counters
                 .on_free(&mut st.counters, allocation.size as u64);
             let epoch = st.epoch;
-            if st.cached_bytes + len <= inner.config.stream_cache_bytes {
+            // One block of any size may stay on the fast path (a stream
+            // that frees and reallocates 1 GiB would otherwise pay the
+            // arena's page bookkeeping each time); the cache joins the arena
+            // before any growth, so it never costs footprint.
+            let limit = inner.config.stream_cache_bytes;
+            if limit > 0 && (st.cached_bytes + len <= limit || st.cached_bytes == 0) {
                 st.cached_bytes += len;
                 st.cache
                     .entry(len)

@@ -499,6 +499,24 @@ fn priority_streams_and_capture_status() {
     dev.destroy_stream(hi).unwrap();
 }
 
+/// `is_capturing` binds no context for a created stream; a thread with no
+/// current context must still get answers (also for the NULL stream).
+#[test]
+fn capture_status_from_a_thread_with_no_current_context() {
+    let Some(dev) = device_or_skip() else { return };
+    let dev = Arc::new(dev);
+    let s = dev.create_stream().unwrap();
+    let d = dev.clone();
+    std::thread::spawn(move || {
+        assert!(!d.is_capturing(s).unwrap());
+        assert!(!d.is_capturing(d.default_stream()).unwrap());
+        assert!(!d.is_capturing(s).unwrap());
+    })
+    .join()
+    .unwrap();
+    dev.destroy_stream(s).unwrap();
+}
+
 #[test]
 fn device_is_shared_across_threads() {
     let Some(dev) = device_or_skip() else { return };

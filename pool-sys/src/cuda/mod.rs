@@ -889,12 +889,30 @@ impl Device for CudaDevice {
     }
 
     fn is_capturing(&self, stream: Stream) -> SysResult<bool> {
+        // Called on every allocation and free. A created stream names its
+        // context, so the context is bound only for the legacy NULL stream,
+        // or when the driver asks for one.
         let op = Op::IsCapturing;
-        self.bind(op)?;
-        self.with_stream(op, stream, |raw| {
+        let ask = |raw: sys::CUstream| {
             let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-            // SAFETY: the stream is live; valid out pointer.
-            match unsafe { sys::cuStreamIsCapturing(raw, &mut status) } {
+            // SAFETY: the stream is live (with_stream); valid out pointer.
+            let r = unsafe { sys::cuStreamIsCapturing(raw, &mut status) };
+            (r, status)
+        };
+        self.with_stream(op, stream, |raw| {
+            let (mut r, mut status) = if raw.is_null() {
+                (
+                    sys::CUresult::CUDA_ERROR_INVALID_CONTEXT,
+                    sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE,
+                )
+            } else {
+                ask(raw)
+            };
+            if r == sys::CUresult::CUDA_ERROR_INVALID_CONTEXT {
+                self.bind(op)?;
+                (r, status) = ask(raw);
+            }
+            match r {
                 sys::CUresult::CUDA_SUCCESS => {
                     Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
                 }
