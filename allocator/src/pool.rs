@@ -188,7 +188,8 @@ mod recent_entries {
     pub(super) fn get(pool: u64, stream: u64) -> Option<Arc<StreamEntry>> {
         RECENT
             .try_with(|r| {
-                r.borrow()
+                r.try_borrow()
+                    .ok()?
                     .iter()
                     .find(|(p, s, _)| *p == pool && *s == stream)
                     .map(|(_, _, e)| e.clone())
@@ -197,9 +198,24 @@ mod recent_entries {
             .flatten()
     }
 
+    /// Run `f` on the entry if this thread has it, without touching its
+    /// reference count (the allocation fast path). `f` must not block.
+    pub(super) fn with<R>(pool: u64, stream: u64, f: impl FnOnce(&StreamEntry) -> R) -> Option<R> {
+        RECENT
+            .try_with(|r| {
+                let r = r.try_borrow().ok()?;
+                let (_, _, e) = r.iter().find(|(p, s, _)| *p == pool && *s == stream)?;
+                Some(f(e))
+            })
+            .ok()
+            .flatten()
+    }
+
     pub(super) fn put(pool: u64, stream: u64, entry: &Arc<StreamEntry>) {
         let _ = RECENT.try_with(|r| {
-            let mut r = r.borrow_mut();
+            let Ok(mut r) = r.try_borrow_mut() else {
+                return;
+            };
             if r.len() == SLOTS {
                 r.remove(0);
             }
@@ -381,30 +397,26 @@ impl<D: Device> MemPool<D> {
         if inner.config.check_capture && inner.device.is_capturing(stream)? {
             return Err(PoolError::StreamCapturing { stream });
         }
-        let entry = inner.entry(stream)?;
-        {
-            let mut st = lock(&entry.state);
-            if st.retired {
-                return Err(PoolError::StreamRetired { stream });
+        let alloc_at = |offset: usize| Allocation {
+            ptr: inner.base + offset as u64,
+            size,
+            len,
+            stream,
+            pool: inner.id,
+            uses: Vec::new(),
+        };
+        // Fast path: a same-size block from the stream's own cache.
+        let cached = inner.with_recent_entry(stream, |e| inner.take_cached(e, stream, size, len));
+        let looked = cached.is_some();
+        if let Some(hit) = cached {
+            if let Some(offset) = hit? {
+                return Ok(alloc_at(offset));
             }
-            if let Some(block) = st.cache.get_mut(&len).and_then(Vec::pop) {
-                st.cached_bytes -= len;
-                inner.counters.on_alloc(&mut st.counters, size as u64, true);
-                drop(st);
-                tracing::trace!(
-                    pool = inner.id,
-                    size,
-                    stream = stream.id(),
-                    "alloc (stream cache)"
-                );
-                return Ok(Allocation {
-                    ptr: inner.base + block.offset as u64,
-                    size,
-                    len,
-                    stream,
-                    pool: inner.id,
-                    uses: Vec::new(),
-                });
+        }
+        let entry = inner.entry(stream)?;
+        if !looked {
+            if let Some(offset) = inner.take_cached(&entry, stream, size, len)? {
+                return Ok(alloc_at(offset));
             }
         }
         let offset = match inner.acquire(len, stream, &entry) {
@@ -424,14 +436,7 @@ impl<D: Device> MemPool<D> {
             .counters
             .on_alloc(&mut lock(&entry.state).counters, size as u64, false);
         tracing::trace!(pool = inner.id, size, stream = stream.id(), offset, "alloc");
-        Ok(Allocation {
-            ptr: inner.base + offset as u64,
-            size,
-            len,
-            stream,
-            pool: inner.id,
-            uses: Vec::new(),
-        })
+        Ok(alloc_at(offset))
     }
 
     /// Free in stream order: the memory is reused only by work that cannot
@@ -457,10 +462,6 @@ impl<D: Device> MemPool<D> {
                 Err(e) => return fail(e.into(), allocation),
             }
         }
-        let entry = match inner.entry(stream) {
-            Ok(e) => e,
-            Err(e) => return fail(e, allocation),
-        };
         // Declared uses on other streams: the freeing stream waits for them,
         // so the free's own epoch covers them.
         for &user in &allocation.uses {
@@ -475,33 +476,18 @@ impl<D: Device> MemPool<D> {
             }
         }
         let offset = (allocation.ptr - inner.base) as usize;
-        let len = allocation.len;
-        let spill_epoch = {
-            let mut st = lock(&entry.state);
-            if st.retired {
-                drop(st);
-                return fail(PoolError::StreamRetired { stream }, allocation);
-            }
-            st.frees_in_epoch = true;
-            inner
-                .counters
-                .on_free(&mut st.counters, allocation.size as u64);
-            let epoch = st.epoch;
-            // One block of any size may stay on the fast path (a stream
-            // that frees and reallocates 1 GiB would otherwise pay the
-            // arena's page bookkeeping each time); the cache joins the arena
-            // before any growth, so it never costs footprint.
-            let limit = inner.config.stream_cache_bytes;
-            if limit > 0 && (st.cached_bytes + len <= limit || st.cached_bytes == 0) {
-                st.cached_bytes += len;
-                st.cache
-                    .entry(len)
-                    .or_default()
-                    .push(crate::order::CachedBlock { offset, epoch });
-                None
-            } else {
-                Some(epoch)
-            }
+        let (len, size) = (allocation.len, allocation.size as u64);
+        let stashed = match inner
+            .with_recent_entry(stream, |e| inner.stash_free(e, stream, offset, len, size))
+        {
+            Some(r) => r,
+            None => inner
+                .entry(stream)
+                .and_then(|e| inner.stash_free(&e, stream, offset, len, size)),
+        };
+        let spill_epoch = match stashed {
+            Ok(spill) => spill,
+            Err(e) => return fail(e, allocation),
         };
         if let Some(epoch) = spill_epoch {
             lock(&inner.arena).arena.give_back(
@@ -751,6 +737,81 @@ pub(crate) enum Reach {
 }
 
 impl<D: Device> PoolInner<D> {
+    /// Run `f` on `stream`'s entry when this thread has it at hand (no
+    /// table lookup, no reference count); `None` otherwise.
+    #[inline]
+    fn with_recent_entry<R>(&self, stream: Stream, f: impl FnOnce(&StreamEntry) -> R) -> Option<R> {
+        #[cfg(not(loom))]
+        return recent_entries::with(self.id, stream.id(), f);
+        #[cfg(loom)]
+        {
+            let _ = (stream, f);
+            None
+        }
+    }
+
+    /// Step 0 of an allocation: a block of exactly `len` bytes from the
+    /// stream's own cache (freed on this stream, so no event is needed).
+    fn take_cached(
+        &self,
+        entry: &StreamEntry,
+        stream: Stream,
+        size: usize,
+        len: usize,
+    ) -> Result<Option<usize>, PoolError> {
+        let mut st = lock(&entry.state);
+        if st.retired {
+            return Err(PoolError::StreamRetired { stream });
+        }
+        let Some(block) = st.cache.get_mut(&len).and_then(Vec::pop) else {
+            return Ok(None);
+        };
+        st.cached_bytes -= len;
+        self.counters.on_alloc(&mut st.counters, size as u64, true);
+        drop(st);
+        tracing::trace!(
+            pool = self.id,
+            size,
+            stream = stream.id(),
+            "alloc (stream cache)"
+        );
+        Ok(Some(block.offset))
+    }
+
+    /// Record a free in the stream's state: into its cache while the cache
+    /// has room (one block of any size may always stay: a stream that frees
+    /// and reallocates 1 GiB would otherwise pay the arena's page
+    /// bookkeeping each time; caches join the arena before any growth, so
+    /// this never costs footprint). Returns the epoch to guard the range
+    /// with when it goes to the arena instead.
+    fn stash_free(
+        &self,
+        entry: &StreamEntry,
+        stream: Stream,
+        offset: usize,
+        len: usize,
+        size: u64,
+    ) -> Result<Option<u64>, PoolError> {
+        let mut st = lock(&entry.state);
+        if st.retired {
+            return Err(PoolError::StreamRetired { stream });
+        }
+        st.frees_in_epoch = true;
+        self.counters.on_free(&mut st.counters, size);
+        let epoch = st.epoch;
+        let limit = self.config.stream_cache_bytes;
+        if limit > 0 && (st.cached_bytes + len <= limit || st.cached_bytes == 0) {
+            st.cached_bytes += len;
+            st.cache
+                .entry(len)
+                .or_default()
+                .push(crate::order::CachedBlock { offset, epoch });
+            Ok(None)
+        } else {
+            Ok(Some(epoch))
+        }
+    }
+
     pub(crate) fn reach(&self, stream: Stream) -> Reach {
         match self.device.is_capturing(stream) {
             Ok(false) => Reach::Live,
