@@ -67,6 +67,9 @@ impl Record {
             json_f64(r.ops_per_sec()),
             json_f64(r.wall.as_secs_f64()),
         );
+        for (name, value) in &r.counters {
+            let _ = write!(s, ",{}:{value}", json_str(name));
+        }
         if let Some(note) = &self.note {
             let _ = write!(s, ",\"note\":{}", json_str(note));
         }

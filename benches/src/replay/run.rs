@@ -49,6 +49,11 @@ pub trait ReplayAllocator {
     fn reset_high(&mut self) -> Result<(), ReplayError>;
     /// Wait until all work issued on the allocator's streams is done.
     fn synchronize(&mut self) -> Result<(), ReplayError>;
+    /// Cumulative counters of the allocator's own (name, value), reported
+    /// per pass as the difference over the pass. None by default.
+    fn counters(&self) -> Vec<(&'static str, u64)> {
+        Vec::new()
+    }
 }
 
 /// One sample of a replay timeline (taken between timed chunks).
@@ -83,6 +88,9 @@ pub struct PassResult {
     pub wall: Duration,
     /// Reserved bytes sampled during the pass (empty unless asked for).
     pub samples: Vec<Sample>,
+    /// The allocator's own counters over this pass (name, increase), e.g.
+    /// tidepool's page remaps and rebinds.
+    pub counters: Vec<(&'static str, u64)>,
 }
 
 impl PassResult {
@@ -150,6 +158,7 @@ impl<'t, A: ReplayAllocator> Replayer<'t, A> {
                 reserved_bytes: self.allocator.reserved_now()?,
             });
         }
+        let counters_before = self.allocator.counters();
         let mut wall = Duration::ZERO;
         let mut ooms = 0u64;
         let mut done = 0usize;
@@ -196,6 +205,17 @@ impl<'t, A: ReplayAllocator> Replayer<'t, A> {
             }
         }
         let peak_reserved_bytes = allocator.reserved_high()?;
+        let counters = allocator
+            .counters()
+            .into_iter()
+            .map(|(name, now)| {
+                let before = counters_before
+                    .iter()
+                    .find(|(n, _)| *n == name)
+                    .map_or(0, |&(_, v)| v);
+                (name, now.saturating_sub(before))
+            })
+            .collect();
         self.free_all()?;
         self.allocator.synchronize()?;
         Ok(PassResult {
@@ -206,6 +226,7 @@ impl<'t, A: ReplayAllocator> Replayer<'t, A> {
             ooms,
             wall,
             samples,
+            counters,
         })
     }
 

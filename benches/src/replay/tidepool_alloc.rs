@@ -84,4 +84,14 @@ impl<D: Device> ReplayAllocator for TidepoolAlloc<D> {
         self.pool.synchronize().map_err(pool_err("synchronize"))?;
         self.streams.synchronize()
     }
+
+    fn counters(&self) -> Vec<(&'static str, u64)> {
+        let s = self.pool.stats();
+        vec![
+            ("remaps", s.remaps),
+            ("rebinds", s.rebinds),
+            ("growths", s.growths),
+            ("cache_hits", s.cache_hits),
+        ]
+    }
 }
