@@ -92,6 +92,8 @@ pub(crate) struct Arena {
     holes: BTreeMap<usize, usize>,
     /// Mapped pages that no block overlaps.
     idle: BTreeSet<usize>,
+    /// Pages with a mapping at the driver level (active or ghost).
+    mapped: BTreeSet<usize>,
     pub reserved: u64,
     pub reserved_high: u64,
     pub growths: u64,
@@ -114,6 +116,7 @@ impl Arena {
             by_size: BTreeSet::new(),
             holes,
             idle: BTreeSet::new(),
+            mapped: BTreeSet::new(),
             reserved: 0,
             reserved_high: 0,
             growths: 0,
@@ -233,15 +236,17 @@ impl Arena {
     pub fn find_fit(
         &self,
         len: usize,
+        align: usize,
         zone: &std::ops::Range<usize>,
         mut class: impl FnMut(Guard) -> Option<u8>,
     ) -> Option<(usize, u8)> {
         let mut best: Option<(usize, u8)> = None;
-        for &(_, off) in self.by_size.range((len, 0)..) {
-            if off < zone.start || off + len > zone.end {
+        for &(rlen, roff) in self.by_size.range((len, 0)..) {
+            let off = roff.next_multiple_of(align);
+            if off + len > roff + rlen || off < zone.start || off + len > zone.end {
                 continue;
             }
-            let guard = self.free[&off].guard;
+            let guard = self.free[&roff].guard;
             if let Some(c) = class(guard) {
                 if c == 0 {
                     return Some((off, 0));
@@ -281,19 +286,29 @@ impl Arena {
             .iter()
             .filter_map(|(&o, &r)| upgrade(r.guard).map(|g| (o, r, g)))
             .collect();
+        // Re-inserting a range merges it with both neighbours where the
+        // guards allow, so neighbours upgraded in any order end up merged.
+        // A range already merged into an earlier one (under its old
+        // guard) is looked up again and upgraded where it now lies.
         for (o, r, g) in changed {
-            if self.free.get(&o).is_some_and(|cur| cur.len == r.len) {
+            if self
+                .free
+                .get(&o)
+                .is_some_and(|cur| cur.len == r.len && cur.guard == r.guard)
+            {
                 self.remove_raw(o);
                 self.insert_free(o, r.len, g);
+                continue;
             }
-        }
-        // A second pass merges neighbours that had different streams'
-        // guards and are now both complete.
-        let offs: Vec<usize> = self.free.keys().copied().collect();
-        for o in offs {
-            if let Some(r) = self.free.get(&o).copied() {
-                self.remove_raw(o);
-                self.insert_free(o, r.len, r.guard);
+            let Some((&start, &cur)) = self.free.range(..=o).next_back() else {
+                continue;
+            };
+            if start + cur.len <= o {
+                continue;
+            }
+            if let Some(g) = upgrade(cur.guard) {
+                self.remove_raw(start);
+                self.insert_free(start, cur.len, g);
             }
         }
     }
@@ -331,6 +346,7 @@ impl Arena {
         assert!(self.pages[p].mapped.is_none() && !self.pages[p].active);
         self.pages[p].mapped = Some(phys);
         self.phys[phys].mappings.push(p);
+        self.mapped.insert(p);
     }
 
     /// The driver unmapped the ghost mapping at page `p`.
@@ -338,7 +354,42 @@ impl Arena {
         assert!(!self.pages[p].active, "forgetting an active mapping");
         let phys = self.pages[p].mapped.take().expect("page has a mapping");
         self.phys[phys].mappings.retain(|&q| q != p);
+        self.mapped.remove(&p);
         phys
+    }
+
+    /// The holes (`None`) and free ranges (`Some(guard)`) that overlap
+    /// `range`, in address order, unclipped. Bytes between two of them
+    /// belong to blocks in use.
+    pub fn segments(&self, range: &std::ops::Range<usize>) -> Vec<(usize, usize, Option<Guard>)> {
+        let mut out: Vec<(usize, usize, Option<Guard>)> = Vec::new();
+        let fs = self
+            .free
+            .range(..=range.start)
+            .next_back()
+            .map_or(range.start, |(&o, _)| o);
+        for (&o, r) in self.free.range(fs..range.end) {
+            if o + r.len > range.start {
+                out.push((o, r.len, Some(r.guard)));
+            }
+        }
+        let hs = self
+            .holes
+            .range(..=range.start)
+            .next_back()
+            .map_or(range.start, |(&o, _)| o);
+        for (&o, &l) in self.holes.range(hs..range.end) {
+            if o + l > range.start {
+                out.push((o, l, None));
+            }
+        }
+        out.sort_unstable_by_key(|s| s.0);
+        out
+    }
+
+    /// The highest page in `pages` with a mapping (active or ghost).
+    pub fn last_mapped_in(&self, pages: std::ops::RangeInclusive<usize>) -> Option<usize> {
+        self.mapped.range(pages).next_back().copied()
     }
 
     pub fn holes(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
@@ -350,17 +401,14 @@ impl Arena {
         self.idle.iter().rev().copied()
     }
 
-    /// Guards of the free bytes of an idle page.
-    pub fn page_guards(&self, p: usize) -> Vec<Guard> {
+    /// Whether `f` holds for the guard of every free range on page `p`.
+    pub fn page_guards_all(&self, p: usize, mut f: impl FnMut(Guard) -> bool) -> bool {
         let (ps, pe) = (p * self.page, (p + 1) * self.page);
-        let mut out = Vec::new();
         let start = self.free.range(..=ps).next_back().map_or(ps, |(&o, _)| o);
-        for (&o, r) in self.free.range(start..pe) {
-            if o + r.len > ps {
-                out.push(r.guard);
-            }
-        }
-        out
+        self.free
+            .range(start..pe)
+            .filter(|(&o, r)| o + r.len > ps)
+            .all(|(_, r)| f(r.guard))
     }
 
     /// Physical page `phys`, already mapped at page `p` (a hole), becomes
@@ -490,6 +538,11 @@ impl Arena {
                 let phys = slot.mapped.expect("active page is mapped");
                 assert_eq!(self.phys[phys].owner, Some(p));
             }
+            assert_eq!(
+                self.mapped.contains(&p),
+                slot.mapped.is_some(),
+                "mapped set wrong at page {p}"
+            );
             let idle = slot.active && slot.users == 0;
             assert_eq!(self.idle.contains(&p), idle, "idle set wrong at page {p}");
         }
@@ -563,7 +616,7 @@ mod tests {
             },
         );
         a.check();
-        let fit = a.find_fit(2048, &(0..usize::MAX), |g| match g {
+        let fit = a.find_fit(2048, 1, &(0..usize::MAX), |g| match g {
             Guard::After { stream: 1, .. } => Some(0),
             _ => None,
         });
@@ -595,6 +648,40 @@ mod tests {
         a.activate(1, phys);
         a.check();
         assert_eq!(a.largest_free(), 3 * PAGE - 100);
+    }
+
+    #[test]
+    fn aligned_fit_skips_ranges_without_an_aligned_window() {
+        let mut a = arena_with_pages(4);
+        // Free: [4096, 2 pages + 4096) is long enough for 2 pages but
+        // holds no page-aligned 2-page window; [3 pages, 4 pages) is one
+        // page.
+        a.take(0, 4096);
+        a.take(2 * PAGE + 4096, PAGE - 4096);
+        a.check();
+        assert_eq!(
+            a.find_fit(2 * PAGE, 1, &(0..usize::MAX), |_| Some(0)),
+            Some((4096, 0))
+        );
+        assert_eq!(
+            a.find_fit(2 * PAGE, PAGE, &(0..usize::MAX), |_| Some(0)),
+            None
+        );
+        // The one-page range is the tightest that holds an aligned page.
+        assert_eq!(
+            a.find_fit(PAGE, PAGE, &(0..usize::MAX), |_| Some(0)),
+            Some((3 * PAGE, 0))
+        );
+        // Without it, the aligned page inside the longer range.
+        a.take(3 * PAGE, PAGE);
+        assert_eq!(
+            a.find_fit(PAGE, PAGE, &(0..usize::MAX), |_| Some(0)),
+            Some((PAGE, 0))
+        );
+        let segs = a.segments(&(0..4 * PAGE));
+        assert_eq!(segs.len(), 1, "one free range, no hole: {segs:?}");
+        a.take(PAGE, PAGE);
+        a.check();
     }
 
     #[test]
@@ -636,12 +723,18 @@ mod tests {
         };
         // The 4 KiB range of stream 2 is the tightest fit but of a worse
         // class: the 8 KiB range of stream 1 wins.
-        assert_eq!(a.find_fit(4096, &(0..usize::MAX), class), Some((8192, 0)));
+        assert_eq!(
+            a.find_fit(4096, 1, &(0..usize::MAX), class),
+            Some((8192, 0))
+        );
         // With only class-1 memory left, the class-1 range is taken.
         let only_two = |g| match g {
             Guard::After { stream: 2, .. } => Some(1),
             _ => None,
         };
-        assert_eq!(a.find_fit(4096, &(0..usize::MAX), only_two), Some((0, 1)));
+        assert_eq!(
+            a.find_fit(4096, 1, &(0..usize::MAX), only_two),
+            Some((0, 1))
+        );
     }
 }
