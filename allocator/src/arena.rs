@@ -387,6 +387,66 @@ impl Arena {
         out
     }
 
+    /// The lowest `start`, a multiple of `align`, such that `[start,
+    /// start + len)` lies in `zone` and holds only holes and free ranges
+    /// whose guard is `usable` (no block in use). It depends on the address
+    /// space alone, not on which pages are mapped where.
+    pub fn first_window(
+        &self,
+        len: usize,
+        align: usize,
+        zone: &std::ops::Range<usize>,
+        mut usable: impl FnMut(Guard) -> bool,
+    ) -> Option<usize> {
+        let fs = self
+            .free
+            .range(..=zone.start)
+            .next_back()
+            .map_or(zone.start, |(&o, _)| o);
+        let hs = self
+            .holes
+            .range(..=zone.start)
+            .next_back()
+            .map_or(zone.start, |(&o, _)| o);
+        let mut free = self
+            .free
+            .range(fs..zone.end)
+            .map(|(&o, r)| (o, r.len, Some(r.guard)))
+            .peekable();
+        let mut holes = self
+            .holes
+            .range(hs..zone.end)
+            .map(|(&o, &l)| (o, l, None))
+            .peekable();
+        let mut span: Option<(usize, usize)> = None;
+        loop {
+            let next = match (free.peek(), holes.peek()) {
+                (Some(f), Some(h)) if f.0 < h.0 => free.next(),
+                (_, Some(_)) => holes.next(),
+                (Some(_), None) => free.next(),
+                (None, None) => return None,
+            };
+            let (o, l, guard) = next?;
+            if o + l <= zone.start {
+                continue;
+            }
+            if guard.is_some_and(|g| !usable(g)) {
+                span = None;
+                continue;
+            }
+            let (lo, hi) = (o.max(zone.start), (o + l).min(zone.end));
+            let s0 = match span {
+                Some((s0, end)) if end == lo => s0,
+                _ => lo,
+            };
+            span = Some((s0, hi));
+            let start = s0.next_multiple_of(align);
+            if start + len <= hi {
+                return Some(start);
+            }
+        }
+    }
+
     /// The highest page in `pages` with a mapping (active or ghost).
     pub fn last_mapped_in(&self, pages: std::ops::RangeInclusive<usize>) -> Option<usize> {
         self.mapped.range(pages).next_back().copied()
@@ -682,6 +742,25 @@ mod tests {
         assert_eq!(segs.len(), 1, "one free range, no hole: {segs:?}");
         a.take(PAGE, PAGE);
         a.check();
+    }
+
+    #[test]
+    fn first_window_spans_free_ranges_and_holes_by_address() {
+        let mut a = arena_with_pages(2);
+        a.take(0, 4096);
+        let all = &(0..64 * PAGE);
+        // Page 1 is free and mapped; 2 pages need the hole after it.
+        assert_eq!(a.first_window(PAGE, PAGE, all, |_| true), Some(PAGE));
+        assert_eq!(a.first_window(2 * PAGE, PAGE, all, |_| true), Some(PAGE));
+        assert_eq!(a.first_window(PAGE, 1, all, |_| true), Some(4096));
+        // Free ranges that may not be reused break the span.
+        assert_eq!(a.first_window(PAGE, PAGE, all, |_| false), Some(2 * PAGE));
+        // The zone bounds the window.
+        assert_eq!(a.first_window(PAGE, PAGE, &(0..2 * PAGE), |_| false), None);
+        assert_eq!(
+            a.first_window(2 * PAGE, PAGE, &(10 * PAGE..20 * PAGE), |_| true),
+            Some(10 * PAGE)
+        );
     }
 
     #[test]

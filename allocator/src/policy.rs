@@ -71,6 +71,21 @@ impl ArenaState {
         }
     }
 
+    /// Whether a request of `len` bytes is placed first-fit by address
+    /// (medium and big requests): at the lowest window of its zone that
+    /// holds no block in use, whether its pages are mapped there or not.
+    /// Placement then depends on the address space alone, so a training
+    /// loop puts each block where it was one step before, and the pages
+    /// it needs there are that place's ghost mappings, reactivated with no
+    /// driver call. A best fit among mapped ranges, or the window that
+    /// needs the fewest binds, depends on where pages happen to be mapped,
+    /// which moves every step (measured, gpt2-fixed warm pass: 6194 remaps
+    /// that way, 842 first-fit). Huge requests keep the fewest-binds
+    /// window (first-fit there: 24029 remaps).
+    pub fn first_fit(&self, len: usize) -> bool {
+        (SMALL_LIMIT..HUGE_LIMIT).contains(&len)
+    }
+
     /// Alignment of a request of `len` bytes: big and huge blocks start on
     /// a page, so that they share no page with a neighbour and their pages
     /// fall idle, all of them, when they are freed.
@@ -180,6 +195,12 @@ impl<D: Device> PoolInner<D> {
         let mut st = lock(&self.arena);
 
         // Steps 1–3 on what the pool already knows.
+        // The stream's own cached frees join the arena first: placement by
+        // address (first_fit) must see the address space as the stream left
+        // it, or the layout drifts from one step of a loop to the next
+        // (gpt2 warm pass remaps, fixed / varlen: 842 / 406 without this,
+        // 327 / 440 with it; pass 3: 668 / 388 and 306 / 327).
+        self.flush_own_cache(&mut st, me, entry);
         if let Some(off) = fit(&mut st, len, me, &clock, reuse) {
             return Ok(off);
         }
@@ -291,6 +312,21 @@ impl<D: Device> PoolInner<D> {
     }
 
     /// Move every stream's privately cached frees into the arena.
+    /// Move the stream `me`'s privately cached frees into the arena.
+    fn flush_own_cache(&self, st: &mut State<'_>, me: u64, entry: &Arc<StreamEntry>) {
+        let drained = lock(&entry.state).drain_cache();
+        for (len, b) in drained {
+            st.arena.give_back(
+                b.offset,
+                len,
+                Guard::After {
+                    stream: me,
+                    epoch: b.epoch,
+                },
+            );
+        }
+    }
+
     pub(crate) fn flush_caches(&self, st: &mut State<'_>) -> usize {
         let mut moved = 0;
         for (id, entry) in self.all_streams() {
@@ -348,12 +384,22 @@ impl<D: Device> PoolInner<D> {
         let page = st.arena.page;
         let best = if relaxed {
             best_window(st, len, 1, &(0..st.arena.va_size()), me, clock, reuse)
+        } else if st.first_fit(len) {
+            let s: &ArenaState = st;
+            s.arena
+                .first_window(len, s.align(len), &s.zone(len), |g| {
+                    s.classify(g, me, clock, reuse).is_some()
+                })
+                .map(|start| {
+                    let need = (start / page..=(start + len - 1) / page)
+                        .filter(|&p| !s.arena.is_active(p))
+                        .count();
+                    (0, need, start)
+                })
         } else if st.align(len) > 1 {
             best_window(st, len, st.align(len), &st.zone(len), me, clock, reuse)
         } else {
-            // Measured: for unaligned (small and medium) requests, the
-            // windows around one hole do better than best_window's (gpt2
-            // warm pass, remaps: fixed 6194 vs 6379, varlen 357 vs 904).
+            // Small requests: the windows around one hole.
             hole_window(st, len, &st.zone(len), me, clock, reuse)
         };
         let (_, need, start) = best.ok_or(MapFailure::NoWindow)?;
@@ -846,7 +892,8 @@ fn pick_victims(
     out
 }
 
-/// Steps 1–3: best fit among free ranges usable now.
+/// Steps 1–3: best fit among free ranges usable now; for first-fit
+/// requests, their window if all its pages are mapped there.
 fn fit(
     st: &mut State<'_>,
     len: usize,
@@ -855,6 +902,20 @@ fn fit(
     reuse: ReusePolicy,
 ) -> Option<usize> {
     let zone = st.zone(len);
+    if st.first_fit(len) {
+        let off = {
+            let s: &ArenaState = st;
+            s.arena.first_window(len, s.align(len), &zone, |g| {
+                s.classify(g, me, clock, reuse).is_some()
+            })?
+        };
+        let page = st.arena.page;
+        if !(off / page..=(off + len - 1) / page).all(|p| st.arena.is_active(p)) {
+            return None;
+        }
+        st.arena.take(off, len);
+        return Some(off);
+    }
     let (off, _) = {
         let s: &ArenaState = st;
         s.arena.find_fit(len, s.align(len), &zone, |g| {
