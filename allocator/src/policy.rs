@@ -860,6 +860,8 @@ fn phys_movable(st: &State<'_>, phys: usize, block: &std::ops::RangeInclusive<us
 /// Completed idle pages to move, taken from the shortest runs of idle
 /// pages first: a long run is a large free range that a large request will
 /// want again, and breaking it up would only move the cost to that request.
+/// Completion is checked only for the pages about to be taken (an idle
+/// page whose frees are pending still counts in its run's length).
 fn pick_victims(
     st: &State<'_>,
     exclude: &std::ops::RangeInclusive<usize>,
@@ -869,7 +871,6 @@ fn pick_victims(
         .arena
         .idle_pages()
         .filter(|p| !exclude.contains(p))
-        .filter(|&p| st.page_complete(p))
         .collect();
     // idle_pages() is highest first: runs are descending sequences.
     let mut runs: Vec<(usize, usize)> = Vec::new(); // (start index in movable, len)
@@ -886,7 +887,9 @@ fn pick_victims(
             if out.len() == want {
                 return out;
             }
-            out.push(p);
+            if st.page_complete(p) {
+                out.push(p);
+            }
         }
     }
     out
