@@ -311,8 +311,9 @@ impl<D: Device> PoolInner<D> {
         });
     }
 
-    /// Move every stream's privately cached frees into the arena.
-    /// Move the stream `me`'s privately cached frees into the arena.
+    /// Move the stream `me`'s privately cached frees into the arena (all
+    /// size classes: flushing only the request's class was measured worse,
+    /// gpt2-fixed warm remaps 327 -> 5658, for 10 % more cache hits).
     fn flush_own_cache(&self, st: &mut State<'_>, me: u64, entry: &Arc<StreamEntry>) {
         let drained = lock(&entry.state).drain_cache();
         for (len, b) in drained {
@@ -327,6 +328,7 @@ impl<D: Device> PoolInner<D> {
         }
     }
 
+    /// Move every stream's privately cached frees into the arena.
     pub(crate) fn flush_caches(&self, st: &mut State<'_>) -> usize {
         let mut moved = 0;
         for (id, entry) in self.all_streams() {
