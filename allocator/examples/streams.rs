@@ -1,0 +1,104 @@
+//! A tour of the pool on whatever device this machine has: the CUDA backend
+//! when a driver is loadable, the host backend otherwise.
+//!
+//! ```sh
+//! cargo run -p tidepool --example streams
+//! ```
+//!
+//! Same-stream reuse, a cross-stream hand-over through a pool event, a
+//! declared use on another stream, statistics, trim, and the typed errors a
+//! caller acts on.
+
+use std::sync::Arc;
+use tidepool::{MemPool, PoolConfig, PoolError};
+use tidepool_sys::Device;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    if tidepool_sys::cuda::driver_available() {
+        let device = Arc::new(tidepool_sys::cuda::CudaDevice::new(0)?);
+        tour(device)
+    } else {
+        println!(
+            "no CUDA driver ({}): host backend",
+            tidepool_sys::cuda::driver_unavailable_reason().unwrap_or_default()
+        );
+        let device = Arc::new(tidepool_sys::host::HostDevice::new());
+        tour(device)
+    }
+}
+
+fn tour<D: Device>(device: Arc<D>) -> Result<(), Box<dyn std::error::Error>> {
+    let config = PoolConfig::default()
+        // Refuse to hold more than 256 MiB of physical memory.
+        .with_max_size(256 << 20)
+        // Keep 64 MiB across synchronisations, give the rest back.
+        .with_release_threshold(64 << 20);
+    let pool = MemPool::new(device.clone(), config)?;
+    let (a, b, reader) = (
+        device.create_stream()?,
+        device.create_stream()?,
+        device.create_stream()?,
+    );
+
+    // Same stream: memory freed on `a` serves the next allocation on `a`
+    // at once, with no event (work on `a` runs in order).
+    let x = pool.alloc_async(1 << 20, a)?;
+    let first = x.ptr();
+    pool.free_async(x, a)?;
+    let y = pool.alloc_async(1 << 20, a)?;
+    println!(
+        "same-stream reuse: {}",
+        if y.ptr() == first {
+            "same block"
+        } else {
+            "another block"
+        }
+    );
+
+    // Cross-stream: `b` waits, through the pool, on an event recorded on
+    // `a` after the free; the pool then knows `b` is ordered after it.
+    pool.free_async(y, a)?;
+    let done_on_a = pool.record_event(a)?;
+    pool.wait_event(b, &done_on_a)?;
+    let z = pool.alloc_async(1 << 20, b)?;
+    println!(
+        "after the event, b got {}",
+        if z.ptr() == first {
+            "a's block"
+        } else {
+            "another block"
+        }
+    );
+
+    // A use on another stream must be declared; the free then waits for it
+    // in stream order (like PyTorch's record_stream).
+    let mut shared = z;
+    pool.record_use(&mut shared, reader);
+    pool.free_async(shared, b)?;
+
+    // Out-of-memory is reported by the call itself, with what the pool saw.
+    match pool.alloc_async(1 << 30, a) {
+        Err(e @ PoolError::OutOfMemory(_)) => println!("1 GiB refused: {e}"),
+        Err(e) => return Err(e.into()),
+        Ok(_) => unreachable!("the pool is capped at 256 MiB"),
+    }
+
+    // Retire streams before destroying them: the pool closes their frees
+    // with an event so it can still learn when they complete.
+    pool.synchronize()?;
+    let s = pool.stats();
+    println!(
+        "reserved {} B (high {}), used {} B, {} allocs, {} cache hits, {} OOMs",
+        s.reserved_current, s.reserved_high, s.used_current, s.allocs, s.cache_hits, s.ooms
+    );
+    let released = pool.trim_to(0)?;
+    println!(
+        "trim_to(0) released {released} B; {} B still held",
+        pool.stats().reserved_current
+    );
+    for st in [a, b, reader] {
+        pool.retire_stream(st)?;
+        device.destroy_stream(st)?;
+    }
+    Ok(())
+}
