@@ -42,7 +42,7 @@ use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::c_void;
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Once, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::thread::JoinHandle;
@@ -51,6 +51,9 @@ use std::thread::JoinHandle;
 /// events, physical handles), so that no id is ever issued twice, even across
 /// devices and after a destroy.
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Owner id of host streams in `crate::recent` (CUDA instances count from 1).
+const HOST_OWNER: u64 = 0;
 
 fn next_id() -> u64 {
     NEXT_ID.fetch_add(1, Ordering::Relaxed)
@@ -350,6 +353,17 @@ struct StreamState {
     sender: Mutex<Option<mpsc::Sender<HostTask>>>,
     progress: Mutex<Progress>,
     done: Condvar,
+    /// Mirrors the device's `capturing` set, for the lock-free
+    /// `is_capturing` through `crate::recent`.
+    capturing: AtomicBool,
+    /// Set on destroy, before the table forgets the stream.
+    destroyed: AtomicBool,
+}
+
+impl crate::recent::Retirable for StreamState {
+    fn retired(&self) -> bool {
+        self.destroyed.load(Ordering::Acquire)
+    }
 }
 
 impl StreamState {
@@ -512,11 +526,16 @@ impl HostDevice {
     /// returns true for `stream`. Nothing else changes (work still runs).
     /// Unknown streams are ignored.
     pub fn set_capturing(&self, stream: Stream, capturing: bool) {
-        let mut set = lock(&self.capturing);
-        if capturing {
-            set.insert(stream.0);
-        } else {
-            set.remove(&stream.0);
+        {
+            let mut set = lock(&self.capturing);
+            if capturing {
+                set.insert(stream.0);
+            } else {
+                set.remove(&stream.0);
+            }
+        }
+        if let Some(s) = lock(&self.streams).get(&stream.0) {
+            s.capturing.store(capturing, Ordering::Release);
         }
     }
 
@@ -626,6 +645,8 @@ impl HostDevice {
             sender: Mutex::new(Some(tx)),
             progress: Mutex::new(Progress::default()),
             done: Condvar::new(),
+            capturing: AtomicBool::new(false),
+            destroyed: AtomicBool::new(false),
         });
         let worker_state = Arc::clone(&state);
         let handle = std::thread::Builder::new()
@@ -1029,6 +1050,7 @@ impl Device for HostDevice {
                 id: stream.0,
             })?;
         lock(&self.capturing).remove(&stream.0);
+        state.destroyed.store(true, Ordering::Release);
         // Dropping the sender lets the worker drain the queue and exit; it is
         // joined when the device drops.
         lock(&state.sender).take();
@@ -1081,8 +1103,14 @@ impl Device for HostDevice {
     }
 
     fn is_capturing(&self, stream: Stream) -> SysResult<bool> {
-        self.stream(Op::IsCapturing, stream)?;
-        Ok(lock(&self.capturing).contains(&stream.0))
+        // Stream ids are process-unique here, so one owner id serves all
+        // host devices.
+        if let Some(s) = crate::recent::get::<StreamState>(HOST_OWNER, stream.0) {
+            return Ok(s.capturing.load(Ordering::Acquire));
+        }
+        let s = self.stream(Op::IsCapturing, stream)?;
+        crate::recent::put(HOST_OWNER, stream.0, &s);
+        Ok(s.capturing.load(Ordering::Acquire))
     }
 
     fn create_event(&self) -> SysResult<Event> {

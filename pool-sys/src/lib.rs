@@ -13,6 +13,7 @@ pub mod device;
 pub mod error;
 pub mod fault;
 pub mod host;
+mod recent;
 
 pub use device::{
     Access, AccessDesc, Device, DevicePtr, Event, HostTask, MemInfo, Physical, PhysicalOptions,

@@ -417,3 +417,16 @@ fn synchronize_device_is_refused_while_a_stream_is_captured() {
     d.synchronize_device().unwrap();
     d.destroy_stream(s).unwrap();
 }
+
+#[test]
+fn capture_status_follows_the_hook_and_destroy_on_a_thread_that_cached_it() {
+    let d = device();
+    let s = d.create_stream().unwrap();
+    assert!(!d.is_capturing(s).unwrap()); // resolved and cached here
+    d.set_capturing(s, true);
+    assert!(d.is_capturing(s).unwrap());
+    d.set_capturing(s, false);
+    assert!(!d.is_capturing(s).unwrap());
+    d.destroy_stream(s).unwrap();
+    assert!(invalid_handle(d.is_capturing(s), Op::IsCapturing, "stream"));
+}

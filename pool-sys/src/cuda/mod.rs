@@ -66,56 +66,15 @@ struct StreamObj {
     owned: bool,
     ctx: Arc<Ctx>,
     /// Set by `destroy_stream` before the table forgets the object, so that
-    /// a thread's cached reference (see `recent_streams`) stops resolving.
+    /// a thread's cached reference (see `crate::recent`) stops resolving.
     destroyed: AtomicBool,
 }
 
-/// The last few streams this thread resolved, per device instance: spares
-/// the hot path (`is_capturing` on every allocation and free) the stream
-/// table's shared read lock, a cache line every thread writes. Holds `Weak`
-/// references, so a destroyed stream is never kept alive by a cache.
-mod recent_streams {
-    use super::StreamObj;
-    use std::cell::RefCell;
-    use std::sync::atomic::Ordering;
-    use std::sync::{Arc, Weak};
-
-    const SLOTS: usize = 4;
-
-    type Slot = (u64, u64, Weak<StreamObj>);
-
-    thread_local! {
-        static RECENT: RefCell<Vec<Slot>> = const { RefCell::new(Vec::new()) };
-    }
-
-    pub(super) fn get(device: u64, stream: u64) -> Option<Arc<StreamObj>> {
-        RECENT
-            .try_with(|r| {
-                r.borrow()
-                    .iter()
-                    .find(|(d, s, _)| *d == device && *s == stream)
-                    .and_then(|(_, _, w)| w.upgrade())
-                    .filter(|o| !o.destroyed.load(Ordering::Acquire))
-            })
-            .ok()
-            .flatten()
-    }
-
-    pub(super) fn put(device: u64, stream: u64, obj: &Arc<StreamObj>) {
-        let _ = RECENT.try_with(|r| {
-            let mut r = r.borrow_mut();
-            r.retain(|(_, _, w)| w.strong_count() > 0);
-            if r.len() >= SLOTS {
-                r.remove(0);
-            }
-            r.push((device, stream, Arc::downgrade(obj)));
-        });
+impl crate::recent::Retirable for StreamObj {
+    fn retired(&self) -> bool {
+        self.destroyed.load(Ordering::Acquire)
     }
 }
-
-/// Issues each `CudaDevice` instance a process-unique id (for
-/// `recent_streams`; stream ids are only unique per instance).
-static NEXT_INSTANCE: AtomicU64 = AtomicU64::new(1);
 
 // SAFETY: a CUstream is a driver handle usable from any thread.
 unsafe impl Send for StreamObj {}
@@ -222,6 +181,7 @@ impl VmState {
 // ---------------------------------------------------------------------------
 
 pub(crate) struct Inner {
+    /// Process-unique id of this instance, for `crate::recent`.
     instance: u64,
     pub(crate) ctx: Arc<Ctx>,
     granularity: usize,
@@ -371,7 +331,7 @@ impl CudaDevice {
         tracing::debug!(ordinal, granularity, "tidepool cuda: device opened");
         Ok(CudaDevice {
             inner: Arc::new(Inner {
-                instance: NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed),
+                instance: crate::recent::new_owner(),
                 ctx,
                 granularity,
                 next_id: AtomicU64::new(DEFAULT_STREAM_ID + 1),
@@ -413,13 +373,13 @@ impl CudaDevice {
         // A cached strong reference keeps the driver stream alive during
         // `f` even if another thread destroys it meanwhile (the object's
         // drop destroys the driver stream after the last user).
-        if let Some(obj) = recent_streams::get(self.inner.instance, stream.0) {
+        if let Some(obj) = crate::recent::get::<StreamObj>(self.inner.instance, stream.0) {
             return f(obj.raw);
         }
         let table = self.streams();
         match table.get(&stream.0) {
             Some(obj) => {
-                recent_streams::put(self.inner.instance, stream.0, obj);
+                crate::recent::put(self.inner.instance, stream.0, obj);
                 f(obj.raw)
             }
             None => Err(SysError::InvalidHandle {
