@@ -142,7 +142,7 @@ def targets(rows):
                      f"{fmt_rate(d['ops_per_sec'])} = {f:.1f}× | {'yes' if f >= 100 else 'no'} |")
     else:
         lines.append("| 16-thread aggregate ≥ 100× the driver pool's | not measured | — |")
-    for variant in ("tidepool-sharded", "tidepool-sharded-nocheck"):
+    for variant in ("tidepool-nocheck",):
         v = get("threads", variant, "16")
         if v and d:
             f = v["ops_per_sec"] / d["ops_per_sec"]

@@ -70,13 +70,6 @@ pub struct PoolConfig {
     /// into a graph (one cheap driver call). Turn off only if no stream
     /// you allocate on is ever captured.
     pub check_capture: bool,
-    /// Keep [`PoolStats::used_high`](crate::PoolStats::used_high) exact:
-    /// costs one read-modify-write of a pool-wide atomic per allocation and
-    /// free, which threads allocating on different streams contend for. Off,
-    /// the counters live with each stream (`used_current` is still exact when
-    /// read) and `used_high` is the highest value seen by a `stats()` call
-    /// or reset. Default on.
-    pub exact_used_high: bool,
     /// Other devices that get read-write access to this pool's memory.
     pub peer_devices: Vec<i32>,
 }
@@ -93,7 +86,6 @@ impl Default for PoolConfig {
             last_resort_wait: std::time::Duration::from_secs(1),
             stream_cache_bytes: 256 << 20,
             check_capture: true,
-            exact_used_high: true,
             peer_devices: Vec::new(),
         }
     }
@@ -139,12 +131,6 @@ impl PoolConfig {
     /// [`PoolConfig::check_capture`]).
     pub fn with_check_capture(mut self, check: bool) -> Self {
         self.check_capture = check;
-        self
-    }
-    /// Track `used_high` exactly, or per stream (see
-    /// [`PoolConfig::exact_used_high`]).
-    pub fn with_exact_used_high(mut self, exact: bool) -> Self {
-        self.exact_used_high = exact;
         self
     }
     /// Give other devices read-write access to the pool's memory.

@@ -23,7 +23,7 @@ use crate::error::{OomReport, PoolError};
 use crate::order::VectorClock;
 use crate::pool::{PoolInner, StreamEntry};
 use crate::stats::Counters;
-use crate::sync::{lock, Arc, MutexGuard, Ordering};
+use crate::sync::{lock, Arc, MutexGuard};
 use std::collections::HashMap;
 use std::time::Instant;
 use tidepool_sys::{Device, PhysicalOptions, Stream, SysError};
@@ -258,7 +258,7 @@ impl<D: Device> PoolInner<D> {
         PoolError::OutOfMemory(Box::new(OomReport {
             requested: len,
             reserved: st.arena.reserved,
-            used: self.counters.used_current.load(Ordering::Relaxed),
+            used: self.used_current(),
             largest_free_range: st.arena.largest_free() as u64,
             device_free: self.device.mem_info().ok().map(|m| m.free as u64),
             max_size: self.config.max_size,

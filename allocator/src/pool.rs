@@ -336,7 +336,7 @@ impl<D: Device> MemPool<D> {
             release_threshold: AtomicU64::new(config.release_threshold),
             arena: Mutex::new(ArenaState::new(Arena::new(va_size, page))),
             streams: RwLock::new(HashMap::new()),
-            counters: Counters::new(config.exact_used_high),
+            counters: Counters::default(),
             events: Arc::new(EventRecycler {
                 device: device.clone(),
                 free: Mutex::new(Vec::new()),
@@ -432,9 +432,10 @@ impl<D: Device> MemPool<D> {
                 return Err(e);
             }
         };
-        inner
+        let missing = inner
             .counters
             .on_alloc(&mut lock(&entry.state).counters, size as u64, false);
+        inner.claim_headroom(missing);
         tracing::trace!(pool = inner.id, size, stream = stream.id(), offset, "alloc");
         Ok(alloc_at(offset))
     }
@@ -606,8 +607,7 @@ impl<D: Device> MemPool<D> {
     pub fn stats(&self) -> PoolStats {
         let inner = &*self.inner;
         let c = &inner.counters;
-        let streams = inner.stream_counters();
-        let (used_current, used_high) = inner.used_now_and_high(&streams);
+        let (streams, used_current, used_high) = inner.counts();
         let st = lock(&inner.arena);
         PoolStats {
             reserved_current: st.arena.reserved,
@@ -629,10 +629,14 @@ impl<D: Device> MemPool<D> {
     /// Reset the high-water marks to the current values.
     pub fn reset_peaks(&self) {
         let inner = &*self.inner;
-        let used = inner.used_current();
+        {
+            let mut ledger = lock(&inner.counters.ledger);
+            inner.collect_headroom(&mut ledger);
+            ledger.used_high -= ledger.unassigned;
+            ledger.unassigned = 0;
+        }
         let mut st = lock(&inner.arena);
         st.arena.reserved_high = st.arena.reserved;
-        inner.counters.used_high.store(used, Ordering::Relaxed);
     }
 
     /// The reuse switches in force.
@@ -767,8 +771,9 @@ impl<D: Device> PoolInner<D> {
             return Ok(None);
         };
         st.cached_bytes -= len;
-        self.counters.on_alloc(&mut st.counters, size as u64, true);
+        let missing = self.counters.on_alloc(&mut st.counters, size as u64, true);
         drop(st);
+        self.claim_headroom(missing);
         tracing::trace!(
             pool = self.id,
             size,
@@ -864,40 +869,53 @@ impl<D: Device> PoolInner<D> {
         Ok(true)
     }
 
-    /// The streams' counters, summed.
-    pub(crate) fn stream_counters(&self) -> crate::stats::StreamCounters {
+    /// Finish counting an allocation whose stream lacked `missing` bytes of
+    /// headroom (see [`crate::stats::Ledger`]). Called with no stream lock
+    /// held (the ledger is locked before stream locks).
+    pub(crate) fn claim_headroom(&self, missing: u64) {
+        if missing == 0 {
+            return;
+        }
+        let mut ledger = lock(&self.counters.ledger);
+        if ledger.unassigned < missing {
+            self.collect_headroom(&mut ledger);
+        }
+        if ledger.unassigned >= missing {
+            ledger.unassigned -= missing;
+        } else {
+            ledger.used_high += missing - ledger.unassigned;
+            ledger.unassigned = 0;
+        }
+    }
+
+    /// Move every stream's headroom into the ledger.
+    pub(crate) fn collect_headroom(&self, ledger: &mut crate::stats::Ledger) {
+        for (_, e) in self.all_streams() {
+            ledger.unassigned += std::mem::take(&mut lock(&e.state).counters.headroom);
+        }
+    }
+
+    /// The streams' counters summed, `used_current` and `used_high`.
+    pub(crate) fn counts(&self) -> (crate::stats::StreamCounters, u64, u64) {
+        let ledger = lock(&self.counters.ledger);
         let mut sum = crate::stats::StreamCounters::default();
         for (_, e) in self.all_streams() {
             let c = lock(&e.state).counters;
             sum.allocs += c.allocs;
             sum.frees += c.frees;
             sum.cache_hits += c.cache_hits;
-            sum.used += c.used;
+            sum.headroom += c.headroom;
         }
-        sum
-    }
-
-    /// `used_current` and `used_high` now (see [`PoolConfig::exact_used_high`]).
-    fn used_now_and_high(&self, streams: &crate::stats::StreamCounters) -> (u64, u64) {
-        let c = &self.counters;
-        if c.exact_used {
-            return (
-                c.used_current.load(Ordering::Relaxed),
-                c.used_high.load(Ordering::Relaxed),
-            );
-        }
-        let now = streams.used.max(0) as u64;
-        let high = c.used_high.fetch_max(now, Ordering::Relaxed).max(now);
-        (now, high)
+        let used = ledger
+            .used_high
+            .saturating_sub(ledger.unassigned)
+            .saturating_sub(sum.headroom);
+        (sum, used, ledger.used_high)
     }
 
     /// Bytes in live allocations now.
     pub(crate) fn used_current(&self) -> u64 {
-        if self.counters.exact_used {
-            self.counters.used_current.load(Ordering::Relaxed)
-        } else {
-            self.stream_counters().used.max(0) as u64
-        }
+        self.counts().1
     }
 
     pub fn reuse(&self) -> ReusePolicy {

@@ -1,6 +1,6 @@
 //! Pool statistics: a plain snapshot type, and the counters behind it.
 
-use crate::sync::{AtomicU64, Ordering};
+use crate::sync::{AtomicU64, Mutex, Ordering};
 
 /// A snapshot of a pool's attributes and counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -11,9 +11,7 @@ pub struct PoolStats {
     pub reserved_high: u64,
     /// Bytes in live allocations now (requested sizes).
     pub used_current: u64,
-    /// Highest `used_current` since creation or the last reset. Exact by
-    /// default; with [`PoolConfig::exact_used_high`](crate::PoolConfig::exact_used_high)
-    /// off, the highest value seen by a `stats()` call or reset (a lower bound).
+    /// Highest `used_current` since creation or the last reset.
     pub used_high: u64,
     /// Allocations made.
     pub allocs: u64,
@@ -44,21 +42,31 @@ pub(crate) struct StreamCounters {
     pub allocs: u64,
     pub frees: u64,
     pub cache_hits: u64,
-    /// Bytes allocated on the stream minus bytes freed on it (may be
-    /// negative: frees on another stream than the allocation's). Used only
-    /// when the pool does not track `used_high` exactly.
-    pub used: i64,
+    /// Bytes this stream may allocate without the pool's used bytes passing
+    /// `used_high` (see [`Ledger`]).
+    pub headroom: u64,
+}
+
+/// Exact `used_current` and `used_high` with no shared write on the fast
+/// path. Invariant, whenever no allocation is between its two halves:
+/// `used + unassigned + Σ stream headroom = used_high`. A free adds its
+/// bytes to its stream's headroom; an allocation spends its stream's
+/// headroom and only when that falls short takes the rest here — from
+/// `unassigned`, then from every stream's headroom (collected), and what is
+/// still missing is a new peak. So a loop that frees what it allocates on
+/// its own stream never touches the ledger, and a peak is never counted
+/// that did not happen (each allocation is ordered, for the count, at its
+/// claim here).
+#[derive(Debug, Default)]
+pub(crate) struct Ledger {
+    pub used_high: u64,
+    pub unassigned: u64,
 }
 
 /// Pool-wide counters, updated outside the arena lock.
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
-    /// Whether `used_current`/`used_high` are kept exactly in the shared
-    /// atomics below (one shared read-modify-write per allocation and free)
-    /// or summed from the streams' counters when read.
-    pub exact_used: bool,
-    pub used_current: AtomicU64,
-    pub used_high: AtomicU64,
+    pub ledger: Mutex<Ledger>,
     /// Size-0 allocations and frees (they touch no stream state).
     pub zero_allocs: AtomicU64,
     pub zero_frees: AtomicU64,
@@ -67,34 +75,21 @@ pub(crate) struct Counters {
 }
 
 impl Counters {
-    pub fn new(exact_used: bool) -> Self {
-        Counters {
-            exact_used,
-            ..Default::default()
-        }
-    }
-
-    pub fn on_alloc(&self, local: &mut StreamCounters, size: u64, cache_hit: bool) {
+    /// Count an allocation of `size` bytes on the stream; returns the bytes
+    /// of headroom it lacked, to be claimed from the ledger (by
+    /// `PoolInner::claim_headroom`) once the stream's lock is released.
+    #[must_use]
+    pub fn on_alloc(&self, local: &mut StreamCounters, size: u64, cache_hit: bool) -> u64 {
         local.allocs += 1;
         local.cache_hits += u64::from(cache_hit);
-        if self.exact_used {
-            let now = self.used_current.fetch_add(size, Ordering::Relaxed) + size;
-            // A read first: the shared line is written only at a new high.
-            if now > self.used_high.load(Ordering::Relaxed) {
-                self.used_high.fetch_max(now, Ordering::Relaxed);
-            }
-        } else {
-            local.used += size as i64;
-        }
+        let spent = local.headroom.min(size);
+        local.headroom -= spent;
+        size - spent
     }
 
     pub fn on_free(&self, local: &mut StreamCounters, size: u64) {
         local.frees += 1;
-        if self.exact_used {
-            self.used_current.fetch_sub(size, Ordering::Relaxed);
-        } else {
-            local.used -= size as i64;
-        }
+        local.headroom += size;
     }
 
     pub fn bump(counter: &AtomicU64) {

@@ -3,9 +3,9 @@
 //! iteration is one pair on every thread, so criterion's throughput and the
 //! summary's `ops_per_sec` are aggregate pairs per second. Timed from the
 //! release of a start barrier to the arrival of the last thread at an end
-//! barrier (thread start and join are outside). On CUDA also with
-//! per-stream counters (`tidepool-sharded`) and with the capture check off
-//! as well (`tidepool-sharded-nocheck`), to show what each shared step costs.
+//! barrier (thread start and join are outside). On CUDA also with the
+//! capture check off (`tidepool-nocheck`), to show what the driver's
+//! `cuStreamIsCapturing` costs at scale.
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use std::hint::black_box;
@@ -65,10 +65,7 @@ fn benches(c: &mut Criterion) {
     scaling(&mut g, host.clone(), || bu::Tidepool::new(host.clone()));
     if let Some(dev) = bu::cuda_or_skip("threads (cuda)") {
         scaling(&mut g, dev.clone(), || bu::Tidepool::new(dev.clone()));
-        scaling(&mut g, dev.clone(), || bu::Tidepool::sharded(dev.clone()));
-        scaling(&mut g, dev.clone(), || {
-            bu::Tidepool::sharded_nocheck(dev.clone())
-        });
+        scaling(&mut g, dev.clone(), || bu::Tidepool::nocheck(dev.clone()));
         scaling(&mut g, dev.clone(), || bu::Driver::new(dev.clone()));
     }
     g.finish();

@@ -369,22 +369,6 @@ impl<D: Device> Tidepool<D> {
         Self::with_config(device, config, "tidepool-nocheck")
     }
 
-    /// Per-stream counters (`exact_used_high` off, `tidepool-sharded`):
-    /// no pool-wide cache line written per allocation and free.
-    pub fn sharded(device: Arc<D>) -> Self {
-        let config = tidepool_config().with_exact_used_high(false);
-        Self::with_config(device, config, "tidepool-sharded")
-    }
-
-    /// As [`Tidepool::sharded`], with the capture check off too
-    /// (`tidepool-sharded-nocheck`): the pool's own bookkeeping alone.
-    pub fn sharded_nocheck(device: Arc<D>) -> Self {
-        let config = tidepool_config()
-            .with_exact_used_high(false)
-            .with_check_capture(false);
-        Self::with_config(device, config, "tidepool-sharded-nocheck")
-    }
-
     pub fn with_config(device: Arc<D>, config: PoolConfig, name: &'static str) -> Self {
         Tidepool {
             pool: MemPool::new(device, config).expect("create tidepool pool"),
