@@ -20,6 +20,89 @@ use slab::Slab;
 use std::collections::{BTreeMap, BTreeSet};
 use tidepool_sys::Physical;
 
+/// A set of page numbers below a bound fixed at creation: one bit per page,
+/// plus one summary bit per word that says whether the word is non-zero,
+/// so that searches skip empty stretches 4096 pages at a time. Insert and
+/// remove are a few bit operations (a `BTreeSet<usize>` cost a tree walk
+/// per page, once per page of every block handed out and given back).
+#[derive(Debug, Clone)]
+struct PageSet {
+    words: Vec<u64>,
+    summary: Vec<u64>,
+}
+
+impl PageSet {
+    fn new(pages: usize) -> Self {
+        let words = pages.div_ceil(64);
+        PageSet {
+            words: vec![0; words],
+            summary: vec![0; words.div_ceil(64)],
+        }
+    }
+
+    fn insert(&mut self, p: usize) {
+        let w = p / 64;
+        self.words[w] |= 1 << (p % 64);
+        self.summary[w / 64] |= 1 << (w % 64);
+    }
+
+    fn remove(&mut self, p: usize) {
+        let w = p / 64;
+        self.words[w] &= !(1 << (p % 64));
+        if self.words[w] == 0 {
+            self.summary[w / 64] &= !(1 << (w % 64));
+        }
+    }
+
+    #[cfg(test)]
+    fn contains(&self, p: usize) -> bool {
+        self.words[p / 64] & (1 << (p % 64)) != 0
+    }
+
+    /// The highest page of the set below `end` (exclusive).
+    fn prev_below(&self, end: usize) -> Option<usize> {
+        if end == 0 {
+            return None;
+        }
+        let last = end - 1;
+        let w = last / 64;
+        // Bits of word `w` up to and including `last`.
+        let bits = self.words[w] & (u64::MAX >> (63 - last % 64));
+        if bits != 0 {
+            return Some(w * 64 + 63 - bits.leading_zeros() as usize);
+        }
+        // Earlier non-zero words, through the summary.
+        if w == 0 {
+            return None;
+        }
+        let lw = w - 1;
+        let mut sw = lw / 64;
+        let mut sbits = self.summary[sw] & (u64::MAX >> (63 - lw % 64));
+        loop {
+            if sbits != 0 {
+                let word = sw * 64 + 63 - sbits.leading_zeros() as usize;
+                let bits = self.words[word];
+                return Some(word * 64 + 63 - bits.leading_zeros() as usize);
+            }
+            if sw == 0 {
+                return None;
+            }
+            sw -= 1;
+            sbits = self.summary[sw];
+        }
+    }
+
+    /// The pages of the set, highest first.
+    fn iter_rev(&self) -> impl Iterator<Item = usize> + '_ {
+        let mut end = self.words.len() * 64;
+        std::iter::from_fn(move || {
+            let p = self.prev_below(end)?;
+            end = p;
+            Some(p)
+        })
+    }
+}
+
 /// When a free range may be reused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Guard {
@@ -91,9 +174,9 @@ pub(crate) struct Arena {
     by_size: BTreeSet<(usize, usize)>,
     holes: BTreeMap<usize, usize>,
     /// Mapped pages that no block overlaps.
-    idle: BTreeSet<usize>,
+    idle: PageSet,
     /// Pages with a mapping at the driver level (active or ghost).
-    mapped: BTreeSet<usize>,
+    mapped: PageSet,
     pub reserved: u64,
     pub reserved_high: u64,
     pub growths: u64,
@@ -115,8 +198,8 @@ impl Arena {
             free: BTreeMap::new(),
             by_size: BTreeSet::new(),
             holes,
-            idle: BTreeSet::new(),
-            mapped: BTreeSet::new(),
+            idle: PageSet::new(va_size / page),
+            mapped: PageSet::new(va_size / page),
             reserved: 0,
             reserved_high: 0,
             growths: 0,
@@ -170,7 +253,7 @@ impl Arena {
         for p in self.page_span(off, len) {
             debug_assert!(self.pages[p].active, "block on an inactive page");
             if self.pages[p].users == 0 {
-                self.idle.remove(&p);
+                self.idle.remove(p);
             }
             self.pages[p].users += 1;
         }
@@ -354,7 +437,7 @@ impl Arena {
         assert!(!self.pages[p].active, "forgetting an active mapping");
         let phys = self.pages[p].mapped.take().expect("page has a mapping");
         self.phys[phys].mappings.retain(|&q| q != p);
-        self.mapped.remove(&p);
+        self.mapped.remove(p);
         phys
     }
 
@@ -449,7 +532,11 @@ impl Arena {
 
     /// The highest page in `pages` with a mapping (active or ghost).
     pub fn last_mapped_in(&self, pages: std::ops::RangeInclusive<usize>) -> Option<usize> {
-        self.mapped.range(pages).next_back().copied()
+        let (lo, hi) = pages.into_inner();
+        if hi < lo {
+            return None;
+        }
+        self.mapped.prev_below(hi + 1).filter(|&p| p >= lo)
     }
 
     pub fn holes(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
@@ -458,7 +545,7 @@ impl Arena {
 
     /// Mapped pages that no block overlaps, highest first.
     pub fn idle_pages(&self) -> impl Iterator<Item = usize> + '_ {
-        self.idle.iter().rev().copied()
+        self.idle.iter_rev()
     }
 
     /// Whether `f` holds for the guard of every free range on page `p`.
@@ -551,7 +638,7 @@ impl Arena {
             hl += rl;
         }
         self.holes.insert(ho, hl);
-        self.idle.remove(&p);
+        self.idle.remove(p);
         assert!(self.pages[p].active, "deactivating an inactive page");
         self.pages[p].active = false;
         let phys = self.pages[p].mapped.expect("active page is mapped");
@@ -599,12 +686,12 @@ impl Arena {
                 assert_eq!(self.phys[phys].owner, Some(p));
             }
             assert_eq!(
-                self.mapped.contains(&p),
+                self.mapped.contains(p),
                 slot.mapped.is_some(),
                 "mapped set wrong at page {p}"
             );
             let idle = slot.active && slot.users == 0;
-            assert_eq!(self.idle.contains(&p), idle, "idle set wrong at page {p}");
+            assert_eq!(self.idle.contains(p), idle, "idle set wrong at page {p}");
         }
     }
 }
@@ -628,6 +715,36 @@ mod tests {
         }
         a.check();
         a
+    }
+
+    #[test]
+    fn page_set_agrees_with_a_btree_set() {
+        let n = 64 * 64 * 3 + 17;
+        let mut set = PageSet::new(n);
+        let mut model = BTreeSet::new();
+        let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+        for i in 0..20_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            // Clustered pages, so that words fill and empty again.
+            let p = if i % 3 == 0 {
+                (x as usize) % n
+            } else {
+                (x as usize) % 200 + (i / 1000) * 300 % (n - 200)
+            };
+            if x & (1 << 40) != 0 {
+                set.insert(p);
+                model.insert(p);
+            } else {
+                set.remove(p);
+                model.remove(&p);
+            }
+            let end = (x >> 20) as usize % (n + 1);
+            assert_eq!(set.prev_below(end), model.range(..end).next_back().copied());
+            assert_eq!(set.contains(p), model.contains(&p));
+        }
+        assert!(set.iter_rev().eq(model.iter().rev().copied()));
     }
 
     #[test]
