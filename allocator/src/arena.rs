@@ -177,6 +177,8 @@ pub(crate) struct Arena {
     idle: PageSet,
     /// Pages with a mapping at the driver level (active or ghost).
     mapped: PageSet,
+    /// Reused by `settle` (no allocation per call).
+    settle_scratch: Vec<(usize, FreeRange, Guard)>,
     pub reserved: u64,
     pub reserved_high: u64,
     pub growths: u64,
@@ -200,6 +202,7 @@ impl Arena {
             holes,
             idle: PageSet::new(va_size / page),
             mapped: PageSet::new(va_size / page),
+            settle_scratch: Vec::new(),
             reserved: 0,
             reserved_high: 0,
             growths: 0,
@@ -223,26 +226,40 @@ impl Arena {
         r
     }
 
-    /// Add a free range, merging with neighbours whose guards allow it.
-    fn insert_free(&mut self, mut off: usize, mut len: usize, mut guard: Guard) {
+    /// Add a free range, merging with neighbours whose guards allow it
+    /// (the left neighbour first, then the right one under the merged
+    /// guard). A range merged into its left neighbour keeps that
+    /// neighbour's key: its entry by address is updated in place.
+    fn insert_free(&mut self, off: usize, mut len: usize, mut guard: Guard) {
+        let mut left: Option<(usize, usize)> = None; // (offset, old length)
         if let Some((&lo, &l)) = self.free.range(..off).next_back() {
             if lo + l.len == off {
                 if let Some(g) = l.guard.merge(guard) {
-                    self.remove_raw(lo);
-                    off = lo;
-                    len += l.len;
+                    left = Some((lo, l.len));
                     guard = g;
                 }
             }
         }
-        if let Some(&r) = self.free.get(&(off + len)) {
-            if let Some(g) = r.guard.merge(guard) {
-                self.remove_raw(off + len);
+        if let std::collections::btree_map::Entry::Occupied(e) = self.free.entry(off + len) {
+            if let Some(g) = e.get().guard.merge(guard) {
+                let r = e.remove();
+                self.by_size.remove(&(r.len, off + len));
                 len += r.len;
                 guard = g;
             }
         }
-        self.insert_raw(off, FreeRange { len, guard });
+        match left {
+            Some((lo, llen)) => {
+                self.by_size.remove(&(llen, lo));
+                let merged = FreeRange {
+                    len: llen + len,
+                    guard,
+                };
+                *self.free.get_mut(&lo).expect("left neighbour exists") = merged;
+                self.by_size.insert((merged.len, lo));
+            }
+            None => self.insert_raw(off, FreeRange { len, guard }),
+        }
     }
 
     fn page_span(&self, off: usize, len: usize) -> std::ops::RangeInclusive<usize> {
@@ -272,6 +289,30 @@ impl Arena {
     /// (several adjacent ones when their guards could not merge).
     pub fn take(&mut self, off: usize, len: usize) {
         let end = off + len;
+        // Usually one free range covers the block: cut it in place.
+        if let Some((&o, r)) = self.free.range_mut(..=off).next_back() {
+            if o + r.len >= end {
+                let old = *r;
+                self.by_size.remove(&(old.len, o));
+                if o < off {
+                    r.len = off - o;
+                    self.by_size.insert((r.len, o));
+                } else {
+                    self.free.remove(&o);
+                }
+                if o + old.len > end {
+                    self.insert_raw(
+                        end,
+                        FreeRange {
+                            len: o + old.len - end,
+                            guard: old.guard,
+                        },
+                    );
+                }
+                self.add_users(off, len);
+                return;
+            }
+        }
         let start = self.free.range(..=off).next_back().map_or(off, |(&o, _)| o);
         let overlapping: Vec<usize> = self
             .free
@@ -364,16 +405,18 @@ impl Arena {
     /// Rewrite guards in place (e.g. to `Complete` once completion is known)
     /// and merge the neighbours that then can be merged.
     pub fn settle(&mut self, mut upgrade: impl FnMut(Guard) -> Option<Guard>) {
-        let changed: Vec<(usize, FreeRange, Guard)> = self
-            .free
-            .iter()
-            .filter_map(|(&o, &r)| upgrade(r.guard).map(|g| (o, r, g)))
-            .collect();
+        let mut changed = std::mem::take(&mut self.settle_scratch);
+        changed.clear();
+        changed.extend(
+            self.free
+                .iter()
+                .filter_map(|(&o, &r)| upgrade(r.guard).map(|g| (o, r, g))),
+        );
         // Re-inserting a range merges it with both neighbours where the
         // guards allow, so neighbours upgraded in any order end up merged.
         // A range already merged into an earlier one (under its old
         // guard) is looked up again and upgraded where it now lies.
-        for (o, r, g) in changed {
+        for &(o, r, g) in &changed {
             if self
                 .free
                 .get(&o)
@@ -394,6 +437,7 @@ impl Arena {
                 self.insert_free(start, cur.len, g);
             }
         }
+        self.settle_scratch = changed;
     }
 
     /// Every free range, for a pass over all of them.
@@ -597,32 +641,31 @@ impl Arena {
     pub fn deactivate(&mut self, p: usize) -> usize {
         assert_eq!(self.pages[p].users, 0, "unmapping a page in use");
         let (ps, pe) = (p * self.page, (p + 1) * self.page);
-        let start = self.free.range(..=ps).next_back().map_or(ps, |(&o, _)| o);
-        let overlapping: Vec<usize> = self
-            .free
-            .range(start..pe)
-            .filter(|(&o, r)| o + r.len > ps)
-            .map(|(&o, _)| o)
-            .collect();
-        for o in overlapping {
-            let r = self.remove_raw(o);
-            if o < ps {
-                self.insert_raw(
-                    o,
-                    FreeRange {
-                        len: ps - o,
-                        guard: r.guard,
-                    },
-                );
+        // The free ranges overlapping the page, from the highest down: the
+        // parts outside the page stay free.
+        while let Some((&o, r)) = self.free.range_mut(..pe).next_back() {
+            if o + r.len <= ps {
+                break;
             }
-            if o + r.len > pe {
+            let old = *r;
+            self.by_size.remove(&(old.len, o));
+            if o < ps {
+                r.len = ps - o;
+                self.by_size.insert((r.len, o));
+            } else {
+                self.free.remove(&o);
+            }
+            if o + old.len > pe {
                 self.insert_raw(
                     pe,
                     FreeRange {
-                        len: o + r.len - pe,
-                        guard: r.guard,
+                        len: o + old.len - pe,
+                        guard: old.guard,
                     },
                 );
+            }
+            if o < ps {
+                break;
             }
         }
         // Add the hole, merging with neighbouring holes.
@@ -672,6 +715,10 @@ impl Arena {
             }
         }
         assert_eq!(self.free.len(), self.by_size.len());
+        for (&o, r) in &self.free {
+            assert!(r.len > 0, "empty free range at {o}");
+            assert!(self.by_size.contains(&(r.len, o)), "by_size misses {o}");
+        }
         for (i, phys) in self.phys.iter() {
             if let Some(p) = phys.owner {
                 assert!(self.pages[p].active && self.pages[p].mapped == Some(i));
@@ -745,6 +792,66 @@ mod tests {
             assert_eq!(set.contains(p), model.contains(&p));
         }
         assert!(set.iter_rev().eq(model.iter().rev().copied()));
+    }
+
+    #[test]
+    fn random_takes_gives_settles_and_moves_keep_the_invariants() {
+        let mut a = arena_with_pages(8);
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut rnd = move |n: usize| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x as usize) % n
+        };
+        let mut live: Vec<(usize, usize)> = Vec::new();
+        for step in 0..3000 {
+            match rnd(6) {
+                0..=2 => {
+                    // Take part of a free range, at its start or inside it.
+                    let ranges: Vec<(usize, FreeRange)> = a.free_ranges().collect();
+                    if ranges.is_empty() {
+                        continue;
+                    }
+                    let (o, r) = ranges[rnd(ranges.len())];
+                    let units = r.len / 512;
+                    if units == 0 {
+                        continue;
+                    }
+                    let skip = if rnd(2) == 0 { 0 } else { rnd(units) };
+                    let len = 512 * (1 + rnd((units - skip).min(64 * 4096 / 512)));
+                    a.take(o + skip * 512, len);
+                    live.push((o + skip * 512, len));
+                }
+                3 | 4 if !live.is_empty() => {
+                    let (o, l) = live.swap_remove(rnd(live.len()));
+                    let guard = match rnd(3) {
+                        0 => Guard::Complete,
+                        s => Guard::After {
+                            stream: s as u64,
+                            epoch: step as u64,
+                        },
+                    };
+                    a.give_back(o, l, guard);
+                }
+                _ => {
+                    if rnd(2) == 0 {
+                        a.settle(|g| match g {
+                            Guard::After { stream: 1, .. } => Some(Guard::Complete),
+                            _ => None,
+                        });
+                    } else {
+                        let k = rnd(3);
+                        let victim = a.idle_pages().nth(k);
+                        if let Some(p) = victim {
+                            let phys = a.deactivate(p);
+                            a.activate(p, phys);
+                        }
+                    }
+                }
+            }
+            a.check();
+        }
     }
 
     #[test]

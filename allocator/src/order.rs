@@ -212,11 +212,23 @@ impl StreamState {
     /// Take every cached block out (for the arena).
     pub fn drain_cache(&mut self) -> Vec<(usize, CachedBlock)> {
         let mut out = Vec::new();
+        self.drain_cache_with(|len, b| out.push((len, b)));
+        out
+    }
+
+    /// Take every cached block out, handing each to `f` (length, block) in
+    /// the order [`StreamState::drain_cache`] returns them, with no list
+    /// built in between. Returns how many there were.
+    pub fn drain_cache_with(&mut self, mut f: impl FnMut(usize, CachedBlock)) -> usize {
+        let mut n = 0;
         for (len, blocks) in self.cache.drain() {
-            out.extend(blocks.into_iter().map(|b| (len, b)));
+            n += blocks.len();
+            for b in blocks {
+                f(len, b);
+            }
         }
         self.cached_bytes = 0;
-        out
+        n
     }
 }
 

@@ -314,36 +314,37 @@ impl<D: Device> PoolInner<D> {
     /// Move the stream `me`'s privately cached frees into the arena (all
     /// size classes: flushing only the request's class was measured worse,
     /// gpt2-fixed warm remaps 327 -> 5658, for 10 % more cache hits).
+    /// The blocks go straight from the cache into the arena, under the
+    /// stream's lock (taken after the arena's, as everywhere).
     fn flush_own_cache(&self, st: &mut State<'_>, me: u64, entry: &Arc<StreamEntry>) {
-        let drained = lock(&entry.state).drain_cache();
-        for (len, b) in drained {
-            st.arena.give_back(
+        let arena = &mut st.arena;
+        lock(&entry.state).drain_cache_with(|len, b| {
+            arena.give_back(
                 b.offset,
                 len,
                 Guard::After {
                     stream: me,
                     epoch: b.epoch,
                 },
-            );
-        }
+            )
+        });
     }
 
     /// Move every stream's privately cached frees into the arena.
     pub(crate) fn flush_caches(&self, st: &mut State<'_>) -> usize {
         let mut moved = 0;
+        let arena = &mut st.arena;
         for (id, entry) in self.all_streams() {
-            let drained = lock(&entry.state).drain_cache();
-            moved += drained.len();
-            for (len, b) in drained {
-                st.arena.give_back(
+            moved += lock(&entry.state).drain_cache_with(|len, b| {
+                arena.give_back(
                     b.offset,
                     len,
                     Guard::After {
                         stream: id,
                         epoch: b.epoch,
                     },
-                );
-            }
+                )
+            });
         }
         moved
     }
