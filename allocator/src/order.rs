@@ -114,6 +114,29 @@ impl std::hash::Hasher for LenHasher {
 
 pub(crate) type BuildLenHasher = std::hash::BuildHasherDefault<LenHasher>;
 
+/// Hashes a stream id for the pool's per-stream completion maps (looked up
+/// for every pending free range each time completions are observed). Ids
+/// are the pool's own, not an adversary's.
+#[derive(Default)]
+pub(crate) struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        let h = (self.0 ^ n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        self.0 = h ^ (h >> 29);
+    }
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+pub(crate) type BuildIdHasher = std::hash::BuildHasherDefault<IdHasher>;
+
 /// A block freed on a stream and kept in that stream's private cache.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct CachedBlock {

@@ -20,7 +20,7 @@
 use crate::arena::{Arena, Guard};
 use crate::config::ReusePolicy;
 use crate::error::{OomReport, PoolError};
-use crate::order::VectorClock;
+use crate::order::{BuildIdHasher, VectorClock};
 use crate::pool::{PoolInner, StreamEntry};
 use crate::stats::Counters;
 use crate::sync::{lock, Arc, MutexGuard};
@@ -34,18 +34,21 @@ pub(crate) struct ArenaState {
     pub arena: Arena,
     /// Per stream: highest epoch whose frees were observed complete by an
     /// event query.
-    pub completed: HashMap<u64, u64>,
+    pub completed: HashMap<u64, u64, BuildIdHasher>,
     /// Per stream: highest epoch the host synchronised with (everything
     /// issued afterwards, on any stream, is ordered after it).
-    pub synced: HashMap<u64, u64>,
+    pub synced: HashMap<u64, u64, BuildIdHasher>,
+    /// Scratch space of `pick_victims` (no allocation per call).
+    victim_runs: Vec<(usize, usize)>,
 }
 
 impl ArenaState {
     pub fn new(arena: Arena) -> Self {
         ArenaState {
             arena,
-            completed: HashMap::new(),
-            synced: HashMap::new(),
+            completed: HashMap::default(),
+            synced: HashMap::default(),
+            victim_runs: Vec::new(),
         }
     }
 
@@ -97,7 +100,7 @@ impl ArenaState {
         }
     }
 
-    fn known(map: &HashMap<u64, u64>, stream: u64) -> u64 {
+    fn known(map: &HashMap<u64, u64, BuildIdHasher>, stream: u64) -> u64 {
         map.get(&stream).copied().unwrap_or(0)
     }
 
@@ -299,6 +302,7 @@ impl<D: Device> PoolInner<D> {
             arena,
             completed,
             synced,
+            ..
         } = &mut **st;
         arena.settle(|g| match g {
             Guard::After { stream, epoch }
@@ -436,7 +440,10 @@ impl<D: Device> PoolInner<D> {
         // one (growth).
         let spare_used = st.arena.spare.len().min(rest.len());
         let victims = if spare_used < rest.len() {
-            pick_victims(st, &block_pages, rest.len() - spare_used)
+            let mut runs = std::mem::take(&mut st.victim_runs);
+            let v = pick_victims(st, &block_pages, rest.len() - spare_used, &mut runs);
+            st.victim_runs = runs;
+            v
         } else {
             Vec::new()
         };
@@ -865,28 +872,27 @@ fn phys_movable(st: &State<'_>, phys: usize, block: &std::ops::RangeInclusive<us
 /// want again, and breaking it up would only move the cost to that request.
 /// Completion is checked only for the pages about to be taken (an idle
 /// page whose frees are pending still counts in its run's length).
+/// `runs` is scratch space (kept by the caller between calls).
 fn pick_victims(
-    st: &State<'_>,
+    st: &ArenaState,
     exclude: &std::ops::RangeInclusive<usize>,
     want: usize,
+    runs: &mut Vec<(usize, usize)>,
 ) -> Vec<usize> {
-    let movable: Vec<usize> = st
-        .arena
-        .idle_pages()
-        .filter(|p| !exclude.contains(p))
-        .collect();
-    // idle_pages() is highest first: runs are descending sequences.
-    let mut runs: Vec<(usize, usize)> = Vec::new(); // (start index in movable, len)
-    for (i, &p) in movable.iter().enumerate() {
+    // idle_pages() is highest first: runs are descending sequences of
+    // consecutive pages, (highest page, length).
+    runs.clear();
+    for p in st.arena.idle_pages().filter(|p| !exclude.contains(p)) {
         match runs.last_mut() {
-            Some((s, l)) if movable[*s + *l - 1] == p + 1 => *l += 1,
-            _ => runs.push((i, 1)),
+            Some((top, l)) if *top + 1 - *l == p + 1 => *l += 1,
+            _ => runs.push((p, 1)),
         }
     }
-    runs.sort_by_key(|&(s, l)| (l, std::cmp::Reverse(movable[s])));
+    // The highest pages are distinct: the order is total.
+    runs.sort_unstable_by_key(|&(top, l)| (l, std::cmp::Reverse(top)));
     let mut out = Vec::with_capacity(want);
-    for (s, l) in runs {
-        for &p in &movable[s..s + l] {
+    for &(top, l) in runs.iter() {
+        for p in (top + 1 - l..=top).rev() {
             if out.len() == want {
                 return out;
             }
