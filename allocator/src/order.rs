@@ -91,36 +91,16 @@ impl std::fmt::Debug for EventRecord {
     }
 }
 
-/// Hashes a block length for the stream cache. Lengths are multiples of
-/// 512; SipHash (std's default) was a measurable share of the alloc+free
-/// fast path, and these keys come from the pool, not from an adversary.
+/// Hashes the pool's own integer keys: block lengths (multiples of 512)
+/// for the stream caches, stream ids for the completion maps. SipHash
+/// (std's default) was a measurable share of the alloc+free fast path and
+/// of observing completions, and these keys come from the pool, not from an
+/// adversary. A multiply, then the high bits folded into the low ones that
+/// pick the bucket.
 #[derive(Default)]
-pub(crate) struct LenHasher(u64);
+pub(crate) struct IntHasher(u64);
 
-impl std::hash::Hasher for LenHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
-        }
-    }
-    fn write_usize(&mut self, n: usize) {
-        let h = (n as u64 >> 9).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        self.0 = h ^ (h >> 29);
-    }
-    fn finish(&self) -> u64 {
-        self.0
-    }
-}
-
-pub(crate) type BuildLenHasher = std::hash::BuildHasherDefault<LenHasher>;
-
-/// Hashes a stream id for the pool's per-stream completion maps (looked up
-/// for every pending free range each time completions are observed). Ids
-/// are the pool's own, not an adversary's.
-#[derive(Default)]
-pub(crate) struct IdHasher(u64);
-
-impl std::hash::Hasher for IdHasher {
+impl std::hash::Hasher for IntHasher {
     fn write(&mut self, bytes: &[u8]) {
         for &b in bytes {
             self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
@@ -130,12 +110,15 @@ impl std::hash::Hasher for IdHasher {
         let h = (self.0 ^ n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
         self.0 = h ^ (h >> 29);
     }
+    fn write_usize(&mut self, n: usize) {
+        self.write_u64(n as u64);
+    }
     fn finish(&self) -> u64 {
         self.0
     }
 }
 
-pub(crate) type BuildIdHasher = std::hash::BuildHasherDefault<IdHasher>;
+pub(crate) type BuildIntHasher = std::hash::BuildHasherDefault<IntHasher>;
 
 /// A block freed on a stream and kept in that stream's private cache.
 #[derive(Debug, Clone, Copy)]
@@ -159,7 +142,7 @@ pub(crate) struct StreamState {
     /// Events recorded on this stream, not yet observed complete, oldest first.
     pub recorded: VecDeque<Arc<EventRecord>>,
     /// Same-stream frees kept for reuse by this stream, by block length.
-    pub cache: HashMap<usize, Vec<CachedBlock>, BuildLenHasher>,
+    pub cache: HashMap<usize, Vec<CachedBlock>, BuildIntHasher>,
     pub cached_bytes: usize,
     /// This stream's share of the pool's counters.
     pub counters: crate::stats::StreamCounters,

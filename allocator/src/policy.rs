@@ -20,7 +20,7 @@
 use crate::arena::{Arena, Guard};
 use crate::config::ReusePolicy;
 use crate::error::{OomReport, PoolError};
-use crate::order::{BuildIdHasher, VectorClock};
+use crate::order::{BuildIntHasher, VectorClock};
 use crate::pool::{PoolInner, StreamEntry};
 use crate::stats::Counters;
 use crate::sync::{lock, Arc, MutexGuard};
@@ -34,10 +34,10 @@ pub(crate) struct ArenaState {
     pub arena: Arena,
     /// Per stream: highest epoch whose frees were observed complete by an
     /// event query.
-    pub completed: HashMap<u64, u64, BuildIdHasher>,
+    pub completed: HashMap<u64, u64, BuildIntHasher>,
     /// Per stream: highest epoch the host synchronised with (everything
     /// issued afterwards, on any stream, is ordered after it).
-    pub synced: HashMap<u64, u64, BuildIdHasher>,
+    pub synced: HashMap<u64, u64, BuildIntHasher>,
     /// Scratch space of `pick_victims` (no allocation per call).
     victim_runs: Vec<(usize, usize)>,
 }
@@ -100,7 +100,7 @@ impl ArenaState {
         }
     }
 
-    fn known(map: &HashMap<u64, u64, BuildIdHasher>, stream: u64) -> u64 {
+    fn known(map: &HashMap<u64, u64, BuildIntHasher>, stream: u64) -> u64 {
         map.get(&stream).copied().unwrap_or(0)
     }
 
