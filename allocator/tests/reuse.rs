@@ -63,6 +63,42 @@ fn same_stream_reuse_is_immediate_and_needs_no_event() {
     }
 }
 
+/// Rule: one block larger than the whole stream cache still stays on the
+/// stream's fast path (a cache hit), and costs no footprint: under a cap,
+/// another stream ordered after the free still gets that memory.
+/// Catches: a cache that refuses blocks above its limit (the 1 GiB pair took
+/// the arena path, 45 µs on the H200), or cached memory that the other
+/// streams cannot reach before growing.
+#[test]
+fn a_block_larger_than_the_cache_stays_on_the_fast_path_without_footprint() {
+    let dev = Arc::new(host());
+    let big = 4 * PAGE;
+    let pool = pool(
+        &dev,
+        config()
+            .with_stream_cache_bytes(PAGE)
+            .with_max_size(big as u64),
+    );
+    let s = streams(&*dev, 2);
+    let x = pool.alloc_async(big, s[0]).unwrap();
+    let addr = x.ptr();
+    pool.free_async(x, s[0]).unwrap();
+    let before = pool.stats();
+    let y = pool.alloc_async(big, s[0]).unwrap();
+    let after = pool.stats();
+    assert_eq!(y.ptr(), addr);
+    assert_eq!(after.cache_hits, before.cache_hits + 1, "not a cache hit");
+    pool.free_async(y, s[0]).unwrap();
+    let ev = pool.record_event(s[0]).unwrap();
+    pool.wait_event(s[1], &ev).unwrap();
+    let z = pool
+        .alloc_async(big, s[1])
+        .expect("the cached block must be reachable from another stream under the cap");
+    assert_eq!(z.ptr(), addr);
+    assert_eq!(pool.stats().reserved_current, big as u64);
+    pool.free_async(z, s[1]).unwrap();
+}
+
 /// Rule: B waited (through the pool) on an event recorded on A after the
 /// free: B reuses A's memory with no internal dependency, while A is still
 /// busy (so opportunistic reuse cannot explain it).
