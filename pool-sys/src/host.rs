@@ -36,6 +36,7 @@ use crate::device::{
     Stream,
 };
 use crate::error::{Op, SysError, SysResult};
+use crate::validate::{check_granular, check_size, invalid};
 use rustix::fs::{fstat, ftruncate, memfd_create, MemfdFlags};
 use rustix::io::Errno;
 use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
@@ -114,13 +115,6 @@ fn os_err(op: Op, e: Errno) -> SysError {
         op,
         errno: e.raw_os_error(),
         message: e.to_string(),
-    }
-}
-
-fn invalid(op: Op, reason: impl Into<String>) -> SysError {
-    SysError::InvalidArgument {
-        op,
-        reason: reason.into(),
     }
 }
 
@@ -618,23 +612,11 @@ impl HostDevice {
     // --- internals ---
 
     fn check_granular(&self, op: Op, what: &str, value: u64) -> SysResult<()> {
-        if value % self.config.granularity as u64 != 0 {
-            return Err(invalid(
-                op,
-                format!(
-                    "{what} {value:#x} is not a multiple of the granularity {:#x}",
-                    self.config.granularity
-                ),
-            ));
-        }
-        Ok(())
+        check_granular(op, what, value, self.config.granularity)
     }
 
     fn check_size(&self, op: Op, size: usize) -> SysResult<()> {
-        if size == 0 {
-            return Err(invalid(op, "size is 0"));
-        }
-        self.check_granular(op, "size", size as u64)
+        check_size(op, size, self.config.granularity)
     }
 
     fn spawn_stream(&self) -> SysResult<Stream> {

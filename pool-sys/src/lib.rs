@@ -14,6 +14,7 @@ pub mod error;
 pub mod fault;
 pub mod host;
 mod recent;
+mod validate;
 
 pub use device::{
     Access, AccessDesc, Device, DevicePtr, Event, HostTask, MemInfo, Physical, PhysicalOptions,

@@ -27,6 +27,7 @@ use crate::device::{
     Stream,
 };
 use crate::error::{Op, SysError, SysResult};
+use crate::validate::{check_granular, check_size, invalid, lookup};
 use cudarc::driver::sys;
 use driver::{check, check_sized, driver_error, warn_drop, Ctx};
 use std::collections::{BTreeMap, HashMap};
@@ -246,13 +247,6 @@ fn poisoned<T>(e: std::sync::PoisonError<T>) -> T {
     e.into_inner()
 }
 
-fn invalid(op: Op, reason: impl Into<String>) -> SysError {
-    SysError::InvalidArgument {
-        op,
-        reason: reason.into(),
-    }
-}
-
 fn mem_location(ordinal: i32) -> sys::CUmemLocation {
     sys::CUmemLocation {
         type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
@@ -392,62 +386,23 @@ impl CudaDevice {
 
     /// The stream object itself, for blocking calls (no lock held during them).
     fn stream_obj(&self, op: Op, stream: Stream) -> SysResult<Arc<StreamObj>> {
-        self.streams()
-            .get(&stream.0)
-            .cloned()
-            .ok_or(SysError::InvalidHandle {
-                op,
-                what: "stream",
-                id: stream.0,
-            })
+        lookup(&self.inner.streams, op, "stream", stream.0)
     }
 
     fn event_obj(&self, op: Op, event: Event) -> SysResult<Arc<EventObj>> {
-        self.inner
-            .events
-            .read()
-            .unwrap_or_else(poisoned)
-            .get(&event.0)
-            .cloned()
-            .ok_or(SysError::InvalidHandle {
-                op,
-                what: "event",
-                id: event.0,
-            })
+        lookup(&self.inner.events, op, "event", event.0)
     }
 
     fn phys_obj(&self, op: Op, handle: Physical) -> SysResult<Arc<PhysObj>> {
-        self.inner
-            .physical
-            .read()
-            .unwrap_or_else(poisoned)
-            .get(&handle.0)
-            .cloned()
-            .ok_or(SysError::InvalidHandle {
-                op,
-                what: "physical memory",
-                id: handle.0,
-            })
+        lookup(&self.inner.physical, op, "physical memory", handle.0)
     }
 
     fn check_granular(&self, op: Op, what: &str, value: u64) -> SysResult<()> {
-        if value % self.inner.granularity as u64 != 0 {
-            return Err(invalid(
-                op,
-                format!(
-                    "{what} {value:#x} is not a multiple of the granularity {:#x}",
-                    self.inner.granularity
-                ),
-            ));
-        }
-        Ok(())
+        check_granular(op, what, value, self.inner.granularity)
     }
 
     fn check_size(&self, op: Op, size: usize) -> SysResult<()> {
-        if size == 0 {
-            return Err(invalid(op, "size is zero"));
-        }
-        self.check_granular(op, "size", size as u64)
+        check_size(op, size, self.inner.granularity)
     }
 
     fn register_stream(&self, raw: sys::CUstream, owned: bool) -> Stream {

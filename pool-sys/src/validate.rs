@@ -1,0 +1,49 @@
+//! Argument checks both backends make the same way, with the same errors.
+
+use crate::error::{Op, SysError, SysResult};
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+
+/// An invalid-argument error of `op`.
+pub(crate) fn invalid(op: Op, reason: impl Into<String>) -> SysError {
+    SysError::InvalidArgument {
+        op,
+        reason: reason.into(),
+    }
+}
+
+/// `value` (a size, address or offset named `what`) is a multiple of
+/// `granularity`.
+pub(crate) fn check_granular(op: Op, what: &str, value: u64, granularity: usize) -> SysResult<()> {
+    if value % granularity as u64 != 0 {
+        return Err(invalid(
+            op,
+            format!("{what} {value:#x} is not a multiple of the granularity {granularity:#x}"),
+        ));
+    }
+    Ok(())
+}
+
+/// `size` is non-zero and a multiple of `granularity`.
+pub(crate) fn check_size(op: Op, size: usize, granularity: usize) -> SysResult<()> {
+    if size == 0 {
+        return Err(invalid(op, "size is zero"));
+    }
+    check_granular(op, "size", size as u64, granularity)
+}
+
+/// The object `id` of a handle table, or an invalid-handle error naming
+/// `what`.
+pub(crate) fn lookup<T>(
+    table: &RwLock<HashMap<u64, Arc<T>>>,
+    op: Op,
+    what: &'static str,
+    id: u64,
+) -> SysResult<Arc<T>> {
+    table
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&id)
+        .cloned()
+        .ok_or(SysError::InvalidHandle { op, what, id })
+}
