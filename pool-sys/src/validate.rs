@@ -47,3 +47,18 @@ pub(crate) fn lookup<T>(
         .cloned()
         .ok_or(SysError::InvalidHandle { op, what, id })
 }
+
+/// Take the object `id` out of a handle table, or an invalid-handle error
+/// naming `what`.
+pub(crate) fn remove<T>(
+    table: &RwLock<HashMap<u64, Arc<T>>>,
+    op: Op,
+    what: &'static str,
+    id: u64,
+) -> SysResult<Arc<T>> {
+    table
+        .write()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&id)
+        .ok_or(SysError::InvalidHandle { op, what, id })
+}

@@ -27,7 +27,7 @@ use crate::device::{
     Stream,
 };
 use crate::error::{Op, SysError, SysResult};
-use crate::validate::{check_granular, check_size, invalid, lookup};
+use crate::validate::{check_granular, check_size, invalid, lookup, remove};
 use cudarc::driver::sys;
 use driver::{check, check_sized, driver_error, warn_drop, Ctx};
 use std::collections::{BTreeMap, HashMap};
@@ -552,17 +552,12 @@ impl Device for CudaDevice {
     }
 
     fn release_physical(&self, handle: Physical) -> SysResult<()> {
-        let obj = self
-            .inner
-            .physical
-            .write()
-            .unwrap_or_else(poisoned)
-            .remove(&handle.0)
-            .ok_or(SysError::InvalidHandle {
-                op: Op::ReleasePhysical,
-                what: "physical memory",
-                id: handle.0,
-            })?;
+        let obj = remove(
+            &self.inner.physical,
+            Op::ReleasePhysical,
+            "physical memory",
+            handle.0,
+        )?;
         // Release now, reporting the driver's answer. (A concurrent `map`
         // may still hold a clone: then the clone's drop releases it.)
         if let Some(obj) = Arc::into_inner(obj) {
@@ -748,17 +743,7 @@ impl Device for CudaDevice {
         if stream.0 == DEFAULT_STREAM_ID {
             return Err(invalid(op, "the default stream is never destroyed"));
         }
-        let obj = self
-            .inner
-            .streams
-            .write()
-            .unwrap_or_else(poisoned)
-            .remove(&stream.0)
-            .ok_or(SysError::InvalidHandle {
-                op,
-                what: "stream",
-                id: stream.0,
-            })?;
+        let obj = remove(&self.inner.streams, op, "stream", stream.0)?;
         obj.destroyed.store(true, Ordering::Release);
         // Dropped here, or by the last in-flight user (RAII destroys it).
         drop(obj);
@@ -891,17 +876,7 @@ impl Device for CudaDevice {
     }
 
     fn destroy_event(&self, event: Event) -> SysResult<()> {
-        let obj = self
-            .inner
-            .events
-            .write()
-            .unwrap_or_else(poisoned)
-            .remove(&event.0)
-            .ok_or(SysError::InvalidHandle {
-                op: Op::DestroyEvent,
-                what: "event",
-                id: event.0,
-            })?;
+        let obj = remove(&self.inner.events, Op::DestroyEvent, "event", event.0)?;
         drop(obj);
         Ok(())
     }
