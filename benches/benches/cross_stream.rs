@@ -11,7 +11,8 @@
 use criterion::{criterion_group, criterion_main, Criterion};
 use std::sync::Arc;
 use tidepool::MemPool;
-use tidepool_benches::benchutil::{self as bu, BenchAlloc, BenchStreams, Meas};
+mod benchutil;
+use benchutil::{self as bu, BenchAlloc, BenchStreams, Meas};
 use tidepool_sys::{Device, DevicePtr, Stream};
 
 const SIZE: usize = 64 << 10;

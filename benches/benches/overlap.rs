@@ -11,7 +11,8 @@
 use criterion::{criterion_group, criterion_main, Criterion};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tidepool_benches::benchutil::{self as bu, BenchAlloc, Meas};
+mod benchutil;
+use benchutil::{self as bu, BenchAlloc, Meas};
 use tidepool_kernels::TagKernels;
 use tidepool_sys::{Device, Stream};
 

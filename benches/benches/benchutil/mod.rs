@@ -10,6 +10,13 @@
 //!   to `FILE` (see [`Summary`]);
 //! - `TIDEPOOL_REQUIRE_GPU=1` (set by the GPU runner): a missing CUDA driver
 //!   is a failure instead of a skip.
+//!
+//! This module is compiled into each bench binary (`mod benchutil;`), not
+//! into the `tidepool-benches` library, so that criterion and its
+//! dependencies stay out of the replayer's build: `criterion` is a
+//! dev-dependency only. A bench that uses only part of it would warn about
+//! the rest, hence the `dead_code` allowance.
+#![allow(dead_code)]
 
 use criterion::measurement::WallTime;
 use criterion::{BenchmarkGroup, BenchmarkId, Criterion, SamplingMode, Throughput};
