@@ -22,6 +22,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     if tidepool_sys::cuda::driver_available() {
         let device = Arc::new(tidepool_sys::cuda::CudaDevice::new(0)?);
@@ -92,7 +93,8 @@ fn tour<D: Device>(device: Arc<D>) -> Result<(), Box<dyn std::error::Error>> {
     pool.record_use(&mut shared, reader);
     pool.free_async(shared, b)?;
 
-    // Out-of-memory is reported by the call itself, with what the pool saw.
+    // Out-of-memory is reported by the call itself, with what the pool saw
+    // (the pool also logs it as a warning on stderr).
     match pool.alloc_async(1 << 30, a) {
         Err(e @ PoolError::OutOfMemory(_)) => println!("1 GiB refused: {e}"),
         Err(e) => return Err(e.into()),
