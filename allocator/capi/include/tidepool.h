@@ -472,6 +472,12 @@ enum tidepool_status tidepool_torch_get_stats(int32_t device, struct tidepool_st
  */
 enum tidepool_status tidepool_torch_reset_peaks(int32_t device);
 
+/**
+ * Whether `ptr` lies in the address range of one of the default pools
+ * (for tests and diagnostics: "is this tensor's memory tidepool's?").
+ */
+bool tidepool_torch_owns(const void *ptr);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

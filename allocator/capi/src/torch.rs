@@ -223,3 +223,11 @@ pub extern "C" fn tidepool_torch_reset_peaks(device: i32) -> tidepool_status {
         Ok(())
     })
 }
+
+/// Whether `ptr` lies in the address range of one of the default pools
+/// (for tests and diagnostics: "is this tensor's memory tidepool's?").
+#[no_mangle]
+pub extern "C" fn tidepool_torch_owns(ptr: *const c_void) -> bool {
+    std::panic::catch_unwind(|| default_pools().any(|p| p.contains(ptr as usize as u64)))
+        .unwrap_or(false)
+}
