@@ -73,6 +73,20 @@ impl RawStreams {
             AnyPool::Cuda(_) => driver_stream_id(raw).unwrap_or(0),
             AnyPool::Host(_) => 0,
         };
+        self.resolve_with(pool, raw, driver_id, |raw| {
+            crate::with_pool!(pool, |p| p.device().adopt_stream(raw))
+        })
+    }
+
+    /// The cache itself: `driver_id` is the driver's unique id of the
+    /// stream behind `raw` now, `adopt` registers a handle with the device.
+    pub(crate) fn resolve_with(
+        &self,
+        pool: &AnyPool,
+        raw: usize,
+        driver_id: u64,
+        adopt: impl FnOnce(usize) -> tidepool_sys::SysResult<Stream>,
+    ) -> Result<Stream, Failure> {
         {
             let map = self.map.read().unwrap_or_else(|e| e.into_inner());
             if let Some(&(id, s)) = map.get(&raw) {
@@ -101,7 +115,7 @@ impl RawStreams {
             });
             map.remove(&raw);
         }
-        let s = crate::with_pool!(pool, |p| p.device().adopt_stream(raw))?;
+        let s = adopt(raw)?;
         self.adopted.fetch_add(1, Ordering::Relaxed);
         map.insert(raw, (driver_id, s));
         Ok(s)
@@ -123,5 +137,64 @@ impl RawStreams {
             })?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use tidepool_core::{MemPool, PoolConfig, PoolError};
+    use tidepool_sys::{HostConfig, HostDevice};
+
+    fn host_pool() -> AnyPool {
+        let dev = Arc::new(HostDevice::with_config(HostConfig {
+            capacity: 64 << 20,
+            ..HostConfig::default()
+        }));
+        AnyPool::Host(MemPool::new(dev, PoolConfig::default().with_va_size(256 << 20)).unwrap())
+    }
+
+    /// A handle that comes back with another driver id is another stream:
+    /// the old pool stream is retired, the handle adopted afresh.
+    #[test]
+    fn a_recycled_handle_is_a_new_stream() {
+        let pool = host_pool();
+        let AnyPool::Host(p) = &pool else {
+            unreachable!()
+        };
+        let cache = RawStreams::default();
+        // On the host backend, created streams stand in for adopted ones.
+        let adopt = |_raw: usize| p.device().create_stream();
+        let raw = 0x7f00_1000;
+        let s1 = cache.resolve_with(&pool, raw, 41, adopt).unwrap();
+        assert_eq!(cache.resolve_with(&pool, raw, 41, adopt).unwrap(), s1);
+        let a = p.alloc_raw(2 << 20, s1).unwrap();
+        p.free_raw(a, s1).unwrap();
+
+        let s2 = cache.resolve_with(&pool, raw, 42, adopt).unwrap();
+        assert_ne!(s2, s1, "a recycled handle must not map to the old stream");
+        assert_eq!(cache.recycled.load(Ordering::Relaxed), 1);
+        assert_eq!(cache.adopted.load(Ordering::Relaxed), 2);
+        assert!(matches!(
+            p.alloc_raw(4096, s1),
+            Err(PoolError::StreamRetired { .. }) | Err(PoolError::Device(_))
+        ));
+        let b = p.alloc_raw(2 << 20, s2).unwrap();
+        p.free_raw(b, s2).unwrap();
+        assert_eq!(cache.resolve_with(&pool, raw, 42, adopt).unwrap(), s2);
+    }
+
+    #[test]
+    fn null_and_legacy_handles_are_the_default_stream() {
+        let pool = host_pool();
+        let AnyPool::Host(p) = &pool else {
+            unreachable!()
+        };
+        let cache = RawStreams::default();
+        let d = p.device().default_stream();
+        assert_eq!(cache.resolve(&pool, 0).unwrap(), d);
+        assert_eq!(cache.resolve(&pool, RAW_STREAM_LEGACY).unwrap(), d);
+        assert_eq!(cache.adopted.load(Ordering::Relaxed), 0);
     }
 }
