@@ -157,7 +157,11 @@ pub extern "C" fn tidepool_last_error() -> *const c_char {
 /// A constant name for a status code ("TIDEPOOL_ERROR_OUT_OF_MEMORY"...).
 #[no_mangle]
 pub extern "C" fn tidepool_status_string(status: tidepool_status) -> *const c_char {
-    let s: &'static std::ffi::CStr = match status {
+    catch_unwind(|| status_name(status).as_ptr()).unwrap_or(c"".as_ptr())
+}
+
+fn status_name(status: tidepool_status) -> &'static std::ffi::CStr {
+    match status {
         TIDEPOOL_OK => c"TIDEPOOL_OK",
         TIDEPOOL_ERROR_INVALID_ARGUMENT => c"TIDEPOOL_ERROR_INVALID_ARGUMENT",
         TIDEPOOL_ERROR_OUT_OF_MEMORY => c"TIDEPOOL_ERROR_OUT_OF_MEMORY",
@@ -172,8 +176,7 @@ pub extern "C" fn tidepool_status_string(status: tidepool_status) -> *const c_ch
         TIDEPOOL_ERROR_TOO_LARGE => c"TIDEPOOL_ERROR_TOO_LARGE",
         TIDEPOOL_ERROR_INVALID_STATE => c"TIDEPOOL_ERROR_INVALID_STATE",
         TIDEPOOL_ERROR_PANIC => c"TIDEPOOL_ERROR_PANIC",
-    };
-    s.as_ptr()
+    }
 }
 
 #[cfg(test)]
