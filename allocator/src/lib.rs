@@ -67,13 +67,15 @@ mod policy;
 mod pool;
 mod raw;
 mod registry;
+pub mod share;
 mod stats;
 pub(crate) mod sync;
 
 pub use config::{PoolConfig, ReusePolicy};
 pub use error::{OomReport, PoolError};
 pub use pool::{Allocation, FreeError, MemPool, PoolEvent, ALIGNMENT};
+pub use share::{ExportedAllocation, ImportedAllocation};
 #[cfg(not(loom))]
 pub use registry::default_pool;
 pub use stats::PoolStats;
-pub use tidepool_sys::{Device, DevicePtr, Stream};
+pub use tidepool_sys::{Access, Device, DevicePtr, Stream};
