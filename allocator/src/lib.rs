@@ -74,8 +74,8 @@ pub(crate) mod sync;
 pub use config::{PoolConfig, ReusePolicy};
 pub use error::{OomReport, PoolError};
 pub use pool::{Allocation, FreeError, MemPool, PoolEvent, ALIGNMENT};
-pub use share::{ExportedAllocation, ImportedAllocation};
 #[cfg(not(loom))]
 pub use registry::default_pool;
+pub use share::{ExportedAllocation, ImportedAllocation};
 pub use stats::PoolStats;
 pub use tidepool_sys::{Access, Device, DevicePtr, Stream};

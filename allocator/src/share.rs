@@ -101,7 +101,11 @@ impl ShareState {
                         .map(|l| l.word(0).load(Ordering::Acquire) & !CLOSED)
                         .sum::<u64>()
                         .max(live);
-                    tracing::warn!(ptr, imports, "free of an allocation still imported elsewhere refused");
+                    tracing::warn!(
+                        ptr,
+                        imports,
+                        "free of an allocation still imported elsewhere refused"
+                    );
                     return Err(PoolError::ExportInUse { ptr, imports });
                 }
             }
@@ -188,7 +192,9 @@ impl ExportedAllocation {
 
     /// Bytes of the allocation (from the descriptor), if it parses.
     pub fn size(&self) -> Option<usize> {
-        Descriptor::parse(&self.descriptor).ok().map(|d| d.size as usize)
+        Descriptor::parse(&self.descriptor)
+            .ok()
+            .map(|d| d.size as usize)
     }
 }
 
@@ -258,7 +264,9 @@ impl Descriptor {
             reason: reason.to_string(),
         };
         if b.len() != DESCRIPTOR_BYTES {
-            return Err(bad("wrong length: not a descriptor made by MemPool::export"));
+            return Err(bad(
+                "wrong length: not a descriptor made by MemPool::export",
+            ));
         }
         let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
@@ -356,7 +364,13 @@ impl<D: Device> MemPool<D> {
         }
         drop(list);
         drop(st);
-        tracing::debug!(pool = inner.id, device, ?access, pages = ptrs.len(), "peer access set");
+        tracing::debug!(
+            pool = inner.id,
+            device,
+            ?access,
+            pages = ptrs.len(),
+            "peer access set"
+        );
         Ok(())
     }
 
@@ -453,7 +467,12 @@ impl<D: Device> MemPool<D> {
             .entry(allocation.ptr)
             .or_default()
             .push(Arc::new(lease));
-        tracing::debug!(pool = inner.id, ptr = allocation.ptr, pages = desc.pages, "exported");
+        tracing::debug!(
+            pool = inner.id,
+            ptr = allocation.ptr,
+            pages = desc.pages,
+            "exported"
+        );
         Ok(ExportedAllocation {
             descriptor: desc.bytes(),
             fds,
@@ -622,7 +641,13 @@ impl<D: Device> MemPool<D> {
     }
 }
 
-fn unmap_release<D: Device>(dev: &D, va: DevicePtr, page: usize, mapped: usize, handles: &[Physical]) {
+fn unmap_release<D: Device>(
+    dev: &D,
+    va: DevicePtr,
+    page: usize,
+    mapped: usize,
+    handles: &[Physical],
+) {
     for i in 0..mapped {
         if let Err(e) = dev.unmap(va + (i * page) as u64, page) {
             tracing::warn!(error = %e, "unmapping an imported page failed");

@@ -203,7 +203,10 @@ pub trait Device: Send + Sync + 'static {
         let _ = (ptr, device);
         Err(SysError::Unsupported {
             op: crate::error::Op::GetAccess,
-            reason: format!("the {} backend cannot read access back", self.backend_name()),
+            reason: format!(
+                "the {} backend cannot read access back",
+                self.backend_name()
+            ),
         })
     }
     /// Create an event that another process can open, and the handle to

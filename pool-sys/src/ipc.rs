@@ -76,7 +76,8 @@ pub fn send_message(sock: impl AsFd, payload: &[u8], fds: &[BorrowedFd<'_>]) -> 
 /// not take (the descriptors go with the first byte).
 fn send_part(sock: BorrowedFd<'_>, parts: &[&[u8]], fds: &[BorrowedFd<'_>]) -> SysResult<()> {
     let total: usize = parts.iter().map(|p| p.len()).sum();
-    let mut space = vec![MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(FDS_PER_CHUNK))];
+    let mut space =
+        vec![MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(FDS_PER_CHUNK))];
     let mut control = SendAncillaryBuffer::new(&mut space);
     if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
         return Err(invalid(Op::Ipc, "too many descriptors for one chunk"));
@@ -289,7 +290,8 @@ impl Drop for SharedWords {
     fn drop(&mut self) {
         // SAFETY: exactly the mapping made in `map`; references handed out
         // by `word` borrow `self`, so none outlives this.
-        if let Err(e) = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast::<c_void>(), self.bytes) }
+        if let Err(e) =
+            unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast::<c_void>(), self.bytes) }
         {
             tracing::warn!(error = %e, "unmapping shared words failed");
         }

@@ -9,12 +9,12 @@
 //! Every entry point used here exists in every driver the backend's probe
 //! accepts (CUDA 13.0 and later): it requires newer symbols than these.
 
+use super::driver::check;
 use super::{mem_location, poisoned, CudaDevice, EventObj};
 use crate::device::{Access, Device, DevicePtr, Event, IpcEvent, IpcEventHandle, Stream};
 use crate::error::{Op, SysResult};
 use crate::validate::invalid;
 use cudarc::driver::sys;
-use super::driver::check;
 use std::sync::Arc;
 
 const HANDLE_BYTES: usize = 64;
@@ -56,7 +56,9 @@ impl CudaDevice {
         let mut can: std::ffi::c_int = 0;
         // SAFETY: valid out pointer and two valid device handles. The call
         // asks whether `theirs` can access memory of `mine`.
-        check(op, unsafe { sys::cuDeviceCanAccessPeer(&mut can, theirs, mine) })?;
+        check(op, unsafe {
+            sys::cuDeviceCanAccessPeer(&mut can, theirs, mine)
+        })?;
         Ok(can != 0)
     }
 
@@ -66,7 +68,9 @@ impl CudaDevice {
         let location = mem_location(device);
         let mut flags: std::ffi::c_ulonglong = 0;
         // SAFETY: valid out pointer and location; the driver checks `ptr`.
-        check(op, unsafe { sys::cuMemGetAccess(&mut flags, &location, ptr) })?;
+        check(op, unsafe {
+            sys::cuMemGetAccess(&mut flags, &location, ptr)
+        })?;
         const READ: u64 = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ as u64;
         const READWRITE: u64 = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE as u64;
         Ok(match flags {
