@@ -288,11 +288,11 @@ impl SharedWords {
 
 impl Drop for SharedWords {
     fn drop(&mut self) {
+        let (ptr, len) = (self.ptr.as_ptr().cast::<c_void>(), self.bytes);
         // SAFETY: exactly the mapping made in `map`; references handed out
         // by `word` borrow `self`, so none outlives this.
-        if let Err(e) =
-            unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast::<c_void>(), self.bytes) }
-        {
+        let r = unsafe { rustix::mm::munmap(ptr, len) };
+        if let Err(e) = r {
             tracing::warn!(error = %e, "unmapping shared words failed");
         }
     }

@@ -159,3 +159,39 @@ impl CudaDevice {
         self.destroy_event(as_event(ev))
     }
 }
+
+/// Peer helpers for tests, examples and benchmarks.
+impl CudaDevice {
+    /// Let this device's context reach memory that `peer` allocated with
+    /// `cuMemAlloc` (`cuCtxEnablePeerAccess`). Pool memory needs no such
+    /// call: its access is set per mapping. Enabling twice is not an error.
+    pub fn enable_peer_context_access(&self, peer: &CudaDevice) -> SysResult<()> {
+        let op = Op::PeerAccess;
+        self.bind(op)?;
+        // SAFETY: the peer's context is retained while `peer` lives; flags 0.
+        let r = unsafe { sys::cuCtxEnablePeerAccess(peer.inner.ctx.cu_ctx, 0) };
+        match r {
+            sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {
+                Ok(())
+            }
+            r => Err(super::driver::driver_error(op, r)),
+        }
+    }
+
+    /// Copy `bytes` from `src` to `dst` in stream order (`cuMemcpyAsync`;
+    /// unified addressing: either side may be memory of another device).
+    pub fn copy_async(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: usize,
+        stream: Stream,
+    ) -> SysResult<()> {
+        let op = Op::LaunchHost;
+        self.bind(op)?;
+        self.with_stream(op, stream, |raw| {
+            // SAFETY: device memory only; the driver validates both ranges.
+            check(op, unsafe { sys::cuMemcpyAsync(dst, src, bytes, raw) })
+        })
+    }
+}
