@@ -986,6 +986,8 @@ impl<D: Device> PoolInner<D> {
 impl<D: Device> Drop for PoolInner<D> {
     fn drop(&mut self) {
         crate::registry::unregister(self.id);
+        // Imports of other pools' memory (see share.rs).
+        self.share.release_all_imports(&*self.device);
         // Map, unmap and release act at once: wait for every free's device
         // work before taking the memory away.
         for (_, entry) in self.all_streams() {

@@ -79,6 +79,26 @@ impl ShareState {
         lock(&self.access).clone()
     }
 
+    /// The pool-drop hook: unmap every import still live and give its
+    /// place on the lease back, so its exporter can free.
+    pub(crate) fn release_all_imports<D: Device>(&self, dev: &D) {
+        let imports: Vec<ImportRecord> = lock(&self.imports).drain().map(|(_, r)| r).collect();
+        if !imports.is_empty() {
+            tracing::warn!(
+                count = imports.len(),
+                "pool dropped with live imports; releasing them"
+            );
+        }
+        for rec in imports {
+            let n = rec.handles.len();
+            unmap_release(dev, rec.va, rec.page, n, &rec.handles);
+            if let Err(e) = dev.free_va(rec.va, rec.page * n) {
+                tracing::warn!(error = %e, "freeing an import's reservation failed");
+            }
+            rec.lease.word(0).fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
     /// The free hook: close the leases of an exported allocation, or refuse
     /// the free while an import of it is live.
     pub(crate) fn check_free(&self, ptr: DevicePtr) -> Result<(), PoolError> {

@@ -258,3 +258,28 @@ fn interprocess_event_orders_streams_in_one_process() {
     dev.destroy_ipc_event(ev).unwrap();
     assert!(dev.destroy_ipc_event(ev).is_err());
 }
+
+#[test]
+fn dropping_the_importing_pool_releases_its_imports() {
+    if is_child() {
+        return;
+    }
+    let (exp_dev, imp_dev) = (host(), host());
+    let exporter = exportable_pool(&exp_dev);
+    let s = exp_dev.create_stream().unwrap();
+    let a = exporter.alloc_async(2 * PAGE, s).unwrap();
+    let before = footprint(&imp_dev);
+    {
+        let importer = exportable_pool(&imp_dev);
+        let imp = importer.import(exporter.export(&a).unwrap()).unwrap();
+        assert_eq!(exporter.outstanding_imports(&a), 1);
+        let _ = imp.ptr();
+        // Dropped unreleased (a leak of the handle, not of the mapping).
+        std::mem::forget(imp);
+    }
+    assert_eq!(exporter.outstanding_imports(&a), 0);
+    assert_eq!(footprint(&imp_dev), before);
+    exporter
+        .free_async(a, s)
+        .expect("free after the importer went");
+}
