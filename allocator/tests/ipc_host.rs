@@ -282,3 +282,56 @@ fn dropping_the_importing_pool_releases_its_imports() {
         .free_async(a, s)
         .expect("free after the importer went");
 }
+
+/// Stitching and trimming in the exporter while an import is live never
+/// move the exported pages: both mappings keep seeing each other's writes.
+#[test]
+fn exported_pages_stay_put_under_stitching_and_trim() {
+    if is_child() {
+        return;
+    }
+    let (exp_dev, imp_dev) = (host(), host());
+    let exporter = MemPool::new(
+        exp_dev.clone(),
+        PoolConfig::default()
+            .with_va_size(1 << 30)
+            .with_exportable(true)
+            .with_max_size(10 * PAGE as u64),
+    )
+    .unwrap();
+    let importer = exportable_pool(&imp_dev);
+    let s = exp_dev.create_stream().unwrap();
+    let a = exporter.alloc_async(2 * PAGE, s).unwrap();
+    let imp = importer.import(exporter.export(&a).unwrap()).unwrap();
+    // Fill the rest, free every other block, then a block only stitching
+    // can place, then trim: pressure on every page that is free to move.
+    let blocks: Vec<_> = (0..8)
+        .map(|_| exporter.alloc_async(PAGE, s).unwrap())
+        .collect();
+    let mut keep = Vec::new();
+    for (i, b) in blocks.into_iter().enumerate() {
+        if i % 2 == 0 {
+            exporter.free_async(b, s).unwrap();
+        } else {
+            keep.push(b);
+        }
+    }
+    exporter.synchronize().unwrap();
+    let remaps = exporter.stats().remaps;
+    let big = exporter.alloc_async(4 * PAGE, s).unwrap();
+    assert!(exporter.stats().remaps > remaps, "stitched");
+    exporter.free_async(big, s).unwrap();
+    for b in keep {
+        exporter.free_async(b, s).unwrap();
+    }
+    exporter.synchronize().unwrap();
+    assert!(exporter.trim_to(0).unwrap() > 0, "trimmed");
+    let words = 2 * PAGE / 4;
+    let pattern: Vec<u32> = (0..words as u32).map(|i| i ^ 0x5a5a_0000).collect();
+    exp_dev.write_words(a.ptr(), &pattern).unwrap();
+    assert_eq!(imp_dev.read_words(imp.ptr(), words).unwrap(), pattern);
+    imp_dev.write_words(imp.ptr() + 4, &[0xabcd]).unwrap();
+    assert_eq!(exp_dev.read_words(a.ptr() + 4, 1).unwrap(), vec![0xabcd]);
+    importer.release_import(imp).unwrap();
+    exporter.free_async(a, s).unwrap();
+}
