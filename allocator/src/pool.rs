@@ -579,17 +579,22 @@ impl<D: Device> MemPool<D> {
             if lock(&entry.state).retired {
                 continue;
             }
-            match inner.reach(stream) {
-                Reach::Live => {
+            match inner.device.is_capturing(stream) {
+                Ok(false) => {
                     let epoch = lock(&entry.state).close_epoch_synced();
                     inner.device.synchronize_stream(stream)?;
                     inner.mark_synced(id, epoch);
                 }
                 // Destroyed without retire: waited for device-wide below.
-                Reach::Gone => lock(&entry.state).close_epoch_orphaned(),
+                Err(SysError::InvalidHandle { what: "stream", .. }) => {
+                    lock(&entry.state).close_epoch_orphaned()
+                }
                 // Synchronising a stream that is being captured would break
                 // the user's capture: skip it (its frees stay pending).
-                Reach::Untouchable => {}
+                Ok(true) => {}
+                // The stream's state is unknown: say so rather than return
+                // as if it had been waited for.
+                Err(e) => return Err(e.into()),
             }
         }
         inner.settle_orphans()?;

@@ -864,3 +864,58 @@ fn fault_sweep() {
         assert!(census[idx] > 0, "the workload never calls {op}");
     }
 }
+
+/// Rule: `synchronize` either waits for every stream the pool knows, or
+/// reports why it could not. A failed stream-state query (is the stream
+/// being captured?) made it skip the stream silently and return `Ok` while
+/// the stream still had work queued: its frees stayed pending, and a
+/// `trim_to(0)` right after could keep their memory although the caller
+/// had just synchronised. Found by the full sweep (is_capturing failing in
+/// the clean-up's synchronize left 26 MiB reserved after `trim_to(0)`).
+///
+/// The stream is held busy; a helper thread synchronises and reports, the
+/// moment `synchronize` returns, whether the busy work had finished. `Ok`
+/// with the work unfinished is the defect. A correct pool either returns
+/// the error at once or blocks until the stream is released (after two
+/// seconds; a slow machine can only hide the defect, never fake it).
+#[test]
+fn synchronize_does_not_skip_a_stream_silently() {
+    let dev: Arc<FaultInjector<HostDevice>> =
+        Arc::new(FaultInjector::new(host_with_capacity(64 << 20)));
+    let pool = MemPool::new(
+        dev.clone(),
+        PoolConfig::default()
+            .with_va_size(1 << 30)
+            .with_stream_cache_bytes(0),
+    )
+    .unwrap();
+    let s = dev.inner().create_stream().unwrap();
+    let x = pool.alloc_async(PAGE, s).unwrap();
+    let mut busy = common::Blocker::on(dev.inner(), s);
+    pool.free_async(x, s).unwrap();
+    let op = Op::IsCapturing;
+    dev.fail_nth(op, 1, SysError::Injected { op, call: 1 });
+    let (tx, rx) = std::sync::mpsc::channel();
+    let done = busy.flag();
+    let p = pool.clone();
+    let t = std::thread::spawn(move || {
+        let r = p.synchronize();
+        let _ = tx.send((r, done.load(std::sync::atomic::Ordering::SeqCst)));
+    });
+    let early = rx.recv_timeout(std::time::Duration::from_secs(2)).ok();
+    busy.release();
+    let (r, finished) = match early {
+        Some(report) => report,
+        None => rx.recv().unwrap(),
+    };
+    t.join().unwrap();
+    match r {
+        Err(e) => assert!(carries(&e, op), "{e:?}"),
+        Ok(()) => assert!(
+            finished,
+            "synchronize returned Ok while the stream's work was still queued"
+        ),
+    }
+    drop(pool);
+    dev.inner().destroy_stream(s).unwrap();
+}
