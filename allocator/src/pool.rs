@@ -579,22 +579,19 @@ impl<D: Device> MemPool<D> {
             if lock(&entry.state).retired {
                 continue;
             }
-            match inner.device.is_capturing(stream) {
-                Ok(false) => {
+            // A stream whose state cannot be learned is an error: returning
+            // Ok would claim a wait that did not happen.
+            match inner.reach_checked(stream)? {
+                Reach::Live => {
                     let epoch = lock(&entry.state).close_epoch_synced();
                     inner.device.synchronize_stream(stream)?;
                     inner.mark_synced(id, epoch);
                 }
                 // Destroyed without retire: waited for device-wide below.
-                Err(SysError::InvalidHandle { what: "stream", .. }) => {
-                    lock(&entry.state).close_epoch_orphaned()
-                }
+                Reach::Gone => lock(&entry.state).close_epoch_orphaned(),
                 // Synchronising a stream that is being captured would break
                 // the user's capture: skip it (its frees stay pending).
-                Ok(true) => {}
-                // The stream's state is unknown: say so rather than return
-                // as if it had been waited for.
-                Err(e) => return Err(e.into()),
+                Reach::Untouchable => {}
             }
         }
         inner.settle_orphans()?;
@@ -692,7 +689,9 @@ impl<D: Device> MemPool<D> {
             // perhaps destroyed): with an event, or — when the driver stream
             // is already gone — by a device-wide wait below.
             if st.frees_in_epoch {
-                match inner.reach(stream) {
+                // State unknown: retiring anyway would strand the frees under
+                // an epoch nothing closes; the caller may retry.
+                match inner.reach_checked(stream)? {
                     Reach::Live => {
                         let event = inner.events.acquire()?;
                         match inner.device.record_event(event, stream) {
@@ -827,6 +826,18 @@ impl<D: Device> PoolInner<D> {
             Ok(false) => Reach::Live,
             Err(SysError::InvalidHandle { what: "stream", .. }) => Reach::Gone,
             Ok(true) | Err(_) => Reach::Untouchable,
+        }
+    }
+
+    /// Like [`PoolInner::reach`], but a failed query is an error rather
+    /// than `Untouchable`, for callers that must not return as if they had
+    /// dealt with the stream.
+    pub(crate) fn reach_checked(&self, stream: Stream) -> Result<Reach, PoolError> {
+        match self.device.is_capturing(stream) {
+            Ok(false) => Ok(Reach::Live),
+            Err(SysError::InvalidHandle { what: "stream", .. }) => Ok(Reach::Gone),
+            Ok(true) => Ok(Reach::Untouchable),
+            Err(e) => Err(e.into()),
         }
     }
 

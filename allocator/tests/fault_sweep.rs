@@ -791,6 +791,17 @@ fn ci_positions(total: u64) -> Vec<u64> {
 fn fault_sweep() {
     let steps = workload();
     let full = std::env::var("TIDEPOOL_SWEEP_FULL").is_ok_and(|v| v == "1");
+    // `TIDEPOOL_SWEEP_ONLY=op:k` (e.g. `map:3`) runs one pair, to debug it.
+    if let Ok(only) = std::env::var("TIDEPOOL_SWEEP_ONLY") {
+        let (name, k) = only.split_once(':').expect("TIDEPOOL_SWEEP_ONLY=op:k");
+        let op = *Op::ALL
+            .iter()
+            .find(|o| o.name() == name)
+            .expect("an op name");
+        let (o, _) = run_one(&steps, Some((op, k.parse().expect("a position"))));
+        let _ = writeln!(std::io::stderr().lock(), "{only}: {}", o.class());
+        return;
+    }
     let (base, census) = run_one(&steps, None);
     assert_eq!(base, Outcome::NotReached);
     let mut report = String::new();
@@ -916,6 +927,38 @@ fn synchronize_does_not_skip_a_stream_silently() {
             "synchronize returned Ok while the stream's work was still queued"
         ),
     }
+    drop(pool);
+    dev.inner().destroy_stream(s).unwrap();
+}
+
+/// Rule: retiring a stream either closes its frees so that the pool can
+/// still learn when they complete, or reports why it could not (and leaves
+/// the stream registered, so the retire can be retried). A failed
+/// stream-state query made `retire_stream` return `Ok` with the stream's
+/// frees guarded by an epoch no event would ever close: that memory stayed
+/// pending until the pool was dropped, through any synchronize and trim.
+/// Found by the full sweep (is_capturing failing in a retire).
+#[test]
+fn retire_does_not_strand_frees() {
+    let dev: Arc<FaultInjector<HostDevice>> =
+        Arc::new(FaultInjector::new(host_with_capacity(64 << 20)));
+    let pool = MemPool::new(dev.clone(), PoolConfig::default().with_va_size(1 << 30)).unwrap();
+    let s = dev.inner().create_stream().unwrap();
+    let x = pool.alloc_async(PAGE, s).unwrap();
+    pool.free_async(x, s).unwrap();
+    let op = Op::IsCapturing;
+    dev.fail_nth(op, 1, SysError::Injected { op, call: 1 });
+    if let Err(e) = pool.retire_stream(s) {
+        assert!(carries(&e, op), "{e:?}");
+        pool.retire_stream(s).unwrap();
+    }
+    pool.synchronize().unwrap();
+    pool.trim_to(0).unwrap();
+    assert_eq!(
+        pool.stats().reserved_current,
+        0,
+        "the retired stream's free stayed pending after synchronize"
+    );
     drop(pool);
     dev.inner().destroy_stream(s).unwrap();
 }
