@@ -857,7 +857,9 @@ impl<D: Device> PoolInner<D> {
         }
         for (_, e) in &all {
             let stream = lock(&e.state).stream;
-            if self.reach(stream) == Reach::Untouchable {
+            // A stream whose state cannot be learned is an error, not a
+            // reason to report the orphans as still pending and succeed.
+            if self.reach_checked(stream)? == Reach::Untouchable {
                 tracing::warn!(
                     pool = self.id,
                     %stream,

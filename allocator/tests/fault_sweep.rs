@@ -962,3 +962,41 @@ fn retire_does_not_strand_frees() {
     drop(pool);
     dev.inner().destroy_stream(s).unwrap();
 }
+
+/// Rule: after `synchronize` returns `Ok`, the frees of a stream destroyed
+/// without retirement are known complete (the pool waits for them
+/// device-wide). A failed stream-state query while the pool checked that no
+/// stream is being captured made it skip that wait and still return `Ok`:
+/// the destroyed stream's frees stayed pending through the trim that
+/// followed. The sweep saw this as a fault absorbed by `synchronize`.
+#[test]
+fn synchronize_settles_orphaned_frees_or_says_why_not() {
+    let dev: Arc<FaultInjector<HostDevice>> =
+        Arc::new(FaultInjector::new(host_with_capacity(64 << 20)));
+    let pool = MemPool::new(
+        dev.clone(),
+        PoolConfig::default()
+            .with_va_size(1 << 30)
+            .with_stream_cache_bytes(0),
+    )
+    .unwrap();
+    let d = dev.inner().create_stream().unwrap();
+    let x = pool.alloc_async(PAGE, d).unwrap();
+    pool.free_async(x, d).unwrap();
+    dev.inner().destroy_stream(d).unwrap();
+    let op = Op::IsCapturing;
+    // Call 1: the synchronize loop finds the stream gone; call 2: the check
+    // for captures before the device-wide wait.
+    dev.fail_nth(op, 2, SysError::Injected { op, call: 2 });
+    if let Err(e) = pool.synchronize() {
+        assert!(carries(&e, op), "{e:?}");
+        pool.synchronize().unwrap();
+    }
+    assert!(dev.calls(op) >= 2, "the injected failure was not reached");
+    pool.trim_to(0).unwrap();
+    assert_eq!(
+        pool.stats().reserved_current,
+        0,
+        "synchronize returned Ok but the destroyed stream's free stayed pending"
+    );
+}
