@@ -202,6 +202,11 @@ enum Step {
     Trim(u64),
     /// Retire the stream from the pool (it is not used afterwards).
     Retire(usize),
+    /// An allocation larger than the cap: out-of-memory, with a report.
+    Oom {
+        size: usize,
+        stream: usize,
+    },
     /// Destroy the stream without retiring it (the test's own call, not
     /// faulted): its pending frees become orphans that only a device-wide
     /// synchronisation can settle.
@@ -344,6 +349,14 @@ fn workload() -> Vec<Step> {
     steps.push(Step::Trim(8 * PAGE as u64));
     let start: Vec<(usize, usize)> = keep.iter().map(|&s| (s, 0)).collect();
     steps.extend(stress_steps(&mut slots, &start));
+    // Requests over the cap: out-of-memory, with a report (which asks the
+    // device for its free memory).
+    for stream in [0, 1] {
+        steps.push(Step::Oom {
+            size: CAP as usize + PAGE,
+            stream,
+        });
+    }
     // A retired stream and one destroyed with frees pending.
     for (stream, last) in [
         (RETIRED, Step::Retire(RETIRED)),
@@ -406,6 +419,7 @@ fn step_name(s: &Step) -> &'static str {
         Step::Synchronize => "synchronize",
         Step::Trim(_) => "trim",
         Step::Retire(_) => "retire_stream",
+        Step::Oom { .. } => "alloc (over the cap)",
         Step::Destroy(_) => "destroy_stream",
     }
 }
@@ -429,6 +443,7 @@ struct Runner<'a> {
     live_bytes: u64,
     allocs: u64,
     frees: u64,
+    ooms: u64,
     next_tag: u32,
     ctx: String,
 }
@@ -499,6 +514,15 @@ impl Runner<'_> {
                 p.trim_to(n)?;
             }
             Step::Retire(i) => p.retire_stream(s[i])?,
+            Step::Oom { size, stream } => match p.alloc_async(size, s[stream]) {
+                Err(PoolError::OutOfMemory(r)) => {
+                    assert_eq!(r.requested, size, "{}: report", self.ctx);
+                    assert_eq!(r.max_size, Some(CAP), "{}: report", self.ctx);
+                    self.ooms += 1;
+                }
+                Err(e) => return Err(e),
+                Ok(a) => panic!("{}: {} bytes allocated over the cap", self.ctx, a.size()),
+            },
             Step::Destroy(i) => self.dev.inner().destroy_stream(s[i]).unwrap(),
         }
         Ok(())
@@ -559,6 +583,7 @@ impl Runner<'_> {
         assert_eq!(st.used_current, self.live_bytes, "{ctx}: used_current");
         assert_eq!(st.allocs, self.allocs, "{ctx}: allocs");
         assert_eq!(st.frees, self.frees, "{ctx}: frees");
+        assert_eq!(st.ooms, self.ooms, "{ctx}: ooms");
         assert!(st.reserved_current <= CAP, "{ctx}: reserved over the cap");
         assert_eq!(
             st.reserved_current,
@@ -633,6 +658,7 @@ fn run_one(steps: &[Step], fault: Option<(Op, u64)>) -> (Outcome, Vec<u64>) {
         live_bytes: 0,
         allocs: 0,
         frees: 0,
+        ooms: 0,
         next_tag: 1,
         ctx: ctx.clone(),
     };
@@ -870,6 +896,7 @@ fn fault_sweep() {
         Op::IsCapturing,
         Op::FreeVa,
         Op::SynchronizeDevice,
+        Op::MemInfo,
     ] {
         let idx = Op::ALL.iter().position(|&o| o == op).unwrap();
         assert!(census[idx] > 0, "the workload never calls {op}");
