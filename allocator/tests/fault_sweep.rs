@@ -23,9 +23,13 @@
 //! event synchronisations, trims), then a clean-up that frees everything,
 //! synchronises and trims to zero.
 //!
+//! A second, small workload holds two streams busy while a third needs
+//! their pending frees under a cap, so the pool inserts internal
+//! dependencies (and their event creation, record and wait are swept).
+//!
 //! CI runs a bounded subset of positions per operation (the first ones, the
 //! last ones and a few in between). `TIDEPOOL_SWEEP_FULL=1` runs every
-//! position of every operation and prints the matrix.
+//! position of every operation; the matrix is printed either way.
 
 mod common;
 
@@ -207,6 +211,11 @@ enum Step {
         size: usize,
         stream: usize,
     },
+    /// Hold the stream busy with a host task (the test's own call, not
+    /// faulted) until `Release` or a synchronisation.
+    Hold(usize),
+    /// Release the tasks held on the stream.
+    Release(usize),
     /// Destroy the stream without retiring it (the test's own call, not
     /// faulted): its pending frees become orphans that only a device-wide
     /// synchronisation can settle.
@@ -319,6 +328,85 @@ fn stress_steps(slots: &mut usize, start_live: &[(usize, usize)]) -> Vec<Step> {
     steps
 }
 
+/// A workload: its steps and the pool it runs on.
+struct Workload {
+    name: &'static str,
+    steps: Vec<Step>,
+    config: PoolConfig,
+    cap: u64,
+}
+
+/// The trace prefix, then the multi-stream phase, on a 48 MiB pool.
+fn trace_and_streams() -> Workload {
+    Workload {
+        name: "trace+streams",
+        steps: workload(),
+        config: pool_config(),
+        cap: CAP,
+    }
+}
+
+/// Memory pressure with held streams: two streams' frees are pending
+/// behind held tasks when a third stream needs their memory under the cap,
+/// so the pool must insert internal dependencies (stream waits on the
+/// donors' events). Stream cache off, no host wait.
+fn pressure() -> Workload {
+    let cap = 4 * PAGE as u64;
+    let big = 2 * PAGE;
+    let steps = vec![
+        Step::Alloc {
+            slot: 0,
+            size: big,
+            stream: 2,
+        },
+        Step::Alloc {
+            slot: 1,
+            size: big,
+            stream: 1,
+        },
+        Step::Hold(2),
+        Step::Hold(1),
+        Step::Free { slot: 0, stream: 2 },
+        Step::Free { slot: 1, stream: 1 },
+        Step::Alloc {
+            slot: 2,
+            size: big,
+            stream: 0,
+        },
+        Step::Alloc {
+            slot: 3,
+            size: big,
+            stream: 0,
+        },
+        Step::Free { slot: 2, stream: 0 },
+        Step::Free { slot: 3, stream: 0 },
+        Step::Release(1),
+        Step::Release(2),
+        Step::Alloc {
+            slot: 4,
+            size: PAGE / 2,
+            stream: 1,
+        },
+        Step::Free { slot: 4, stream: 1 },
+        Step::Synchronize,
+        Step::Trim(0),
+    ];
+    let config = PoolConfig::default()
+        .with_va_size(1 << 30)
+        .with_max_size(cap)
+        .with_stream_cache_bytes(0)
+        .with_reuse(tidepool::ReusePolicy {
+            wait_for_pending_frees: false,
+            ..Default::default()
+        });
+    Workload {
+        name: "pressure",
+        steps,
+        config,
+        cap,
+    }
+}
+
 fn workload() -> Vec<Step> {
     let mut slots = 0;
     let mut steps = trace_steps(&mut slots);
@@ -420,6 +508,8 @@ fn step_name(s: &Step) -> &'static str {
         Step::Trim(_) => "trim",
         Step::Retire(_) => "retire_stream",
         Step::Oom { .. } => "alloc (over the cap)",
+        Step::Hold(_) => "hold",
+        Step::Release(_) => "release",
         Step::Destroy(_) => "destroy_stream",
     }
 }
@@ -434,6 +524,10 @@ fn carries(e: &PoolError, op: Op) -> bool {
 }
 
 struct Runner<'a> {
+    /// Tasks holding streams busy. Declared before the pool, so that they
+    /// are released before the pool's drop waits for pending frees.
+    held: Vec<(usize, common::Blocker)>,
+    cap: u64,
     dev: &'a Arc<Dev>,
     pool: MemPool<Dev>,
     streams: &'a [Stream],
@@ -455,6 +549,13 @@ impl Runner<'_> {
 
     /// Run one step once; `Err` carries the pool's error.
     fn try_step(&mut self, step: Step) -> Result<(), PoolError> {
+        if matches!(
+            step,
+            Step::SyncStream(_) | Step::SyncEvent(_) | Step::Synchronize
+        ) {
+            // A host wait behind a held task would never return.
+            self.held.clear();
+        }
         let p = &self.pool;
         let s = self.streams;
         match step {
@@ -517,13 +618,18 @@ impl Runner<'_> {
             Step::Oom { size, stream } => match p.alloc_async(size, s[stream]) {
                 Err(PoolError::OutOfMemory(r)) => {
                     assert_eq!(r.requested, size, "{}: report", self.ctx);
-                    assert_eq!(r.max_size, Some(CAP), "{}: report", self.ctx);
+                    assert_eq!(r.max_size, Some(self.cap), "{}: report", self.ctx);
                     self.ooms += 1;
                 }
                 Err(e) => return Err(e),
                 Ok(a) => panic!("{}: {} bytes allocated over the cap", self.ctx, a.size()),
             },
             Step::Destroy(i) => self.dev.inner().destroy_stream(s[i]).unwrap(),
+            Step::Hold(i) => {
+                let b = common::Blocker::on(self.dev.inner(), s[i]);
+                self.held.push((i, b));
+            }
+            Step::Release(i) => self.held.retain(|(h, _)| *h != i),
         }
         Ok(())
     }
@@ -584,7 +690,10 @@ impl Runner<'_> {
         assert_eq!(st.allocs, self.allocs, "{ctx}: allocs");
         assert_eq!(st.frees, self.frees, "{ctx}: frees");
         assert_eq!(st.ooms, self.ooms, "{ctx}: ooms");
-        assert!(st.reserved_current <= CAP, "{ctx}: reserved over the cap");
+        assert!(
+            st.reserved_current <= self.cap,
+            "{ctx}: reserved over the cap"
+        );
         assert_eq!(
             st.reserved_current,
             (st.growths - st.releases) * PAGE as u64,
@@ -616,7 +725,8 @@ fn pool_config() -> PoolConfig {
 
 /// Run the workload with the `k`-th call of `op` failing (`None`: no
 /// failure). Returns the outcome and the calls of each op made.
-fn run_one(steps: &[Step], fault: Option<(Op, u64)>) -> (Outcome, Vec<u64>) {
+fn run_one(w: &Workload, fault: Option<(Op, u64)>) -> (Outcome, Vec<u64>) {
+    let steps = &w.steps;
     let dev: Arc<Dev> = Arc::new(FaultInjector::new(Counting::new(host_with_capacity(
         64 << 20,
     ))));
@@ -625,8 +735,8 @@ fn run_one(steps: &[Step], fault: Option<(Op, u64)>) -> (Outcome, Vec<u64>) {
         .map(|_| dev.inner().create_stream().unwrap())
         .collect();
     let ctx = match fault {
-        Some((op, k)) => format!("{op} #{k}"),
-        None => "no fault".into(),
+        Some((op, k)) => format!("{}: {op} #{k}", w.name),
+        None => format!("{}: no fault", w.name),
     };
     let target = fault.map(|(op, k)| {
         let injected = SysError::Injected { op, call: k };
@@ -636,13 +746,13 @@ fn run_one(steps: &[Step], fault: Option<(Op, u64)>) -> (Outcome, Vec<u64>) {
     let fired = |dev: &Dev| target.is_some_and(|(op, at)| dev.calls(op) >= at);
     let mut outcome = None;
 
-    let pool = match MemPool::new(dev.clone(), pool_config()) {
+    let pool = match MemPool::new(dev.clone(), w.config.clone()) {
         Ok(p) => p,
         Err(e) => {
             let (op, _) = target.unwrap_or_else(|| panic!("{ctx}: pool creation failed: {e}"));
             assert!(carries(&e, op), "{ctx}: pool creation: untyped error {e:?}");
             outcome = Some(Outcome::Error("pool creation"));
-            MemPool::new(dev.clone(), pool_config())
+            MemPool::new(dev.clone(), w.config.clone())
                 .unwrap_or_else(|e| panic!("{ctx}: pool creation after the fault: {e}"))
         }
     };
@@ -650,6 +760,8 @@ fn run_one(steps: &[Step], fault: Option<(Op, u64)>) -> (Outcome, Vec<u64>) {
         outcome = Some(Outcome::Absorbed("pool creation"));
     }
     let mut r = Runner {
+        held: Vec::new(),
+        cap: w.cap,
         dev: &dev,
         pool,
         streams: &streams,
@@ -735,6 +847,7 @@ fn run_one(steps: &[Step], fault: Option<(Op, u64)>) -> (Outcome, Vec<u64>) {
     assert_eq!(r.host().live_handles(), 0, "{}: handles", r.ctx);
 
     let fired_before_drop = fired(&dev);
+    r.held.clear();
     drop(r);
     let leaks = [
         ("handles", dev.inner().inner.live_handles()),
@@ -813,30 +926,18 @@ fn ci_positions(total: u64) -> Vec<u64> {
     p
 }
 
-#[test]
-fn fault_sweep() {
-    let steps = workload();
-    let full = std::env::var("TIDEPOOL_SWEEP_FULL").is_ok_and(|v| v == "1");
-    // `TIDEPOOL_SWEEP_ONLY=op:k` (e.g. `map:3`) runs one pair, to debug it.
-    if let Ok(only) = std::env::var("TIDEPOOL_SWEEP_ONLY") {
-        let (name, k) = only.split_once(':').expect("TIDEPOOL_SWEEP_ONLY=op:k");
-        let op = *Op::ALL
-            .iter()
-            .find(|o| o.name() == name)
-            .expect("an op name");
-        let (o, _) = run_one(&steps, Some((op, k.parse().expect("a position"))));
-        let _ = writeln!(std::io::stderr().lock(), "{only}: {}", o.class());
-        return;
-    }
-    let (base, census) = run_one(&steps, None);
+/// Sweep one workload: the census run, then each (operation, position).
+/// Returns the calls of each operation in the census run.
+fn sweep(w: &Workload, full: bool, report: &mut String) -> Vec<u64> {
+    let (base, census) = run_one(w, None);
     assert_eq!(base, Outcome::NotReached);
-    let mut report = String::new();
     let mut runs = 0u64;
     let mut not_called = Vec::new();
     let _ = writeln!(
         report,
-        "fault sweep ({} workload steps, {}): op | calls | positions tried | outcomes",
-        steps.len(),
+        "fault sweep of {} ({} steps, {}): op | calls | positions tried | outcomes",
+        w.name,
+        w.steps.len(),
         if full { "full" } else { "CI subset" }
     );
     for op in swept_ops() {
@@ -846,8 +947,8 @@ fn fault_sweep() {
             not_called.push(op.name());
             continue;
         }
-        // One position past the last call: the workload must not reach it
-        // (or the census was wrong and positions are missed).
+        // One position past the last call of the unfaulted run: reached
+        // only when a failure sends the pool down another path (a retry).
         let positions: Vec<u64> = if full {
             (1..=total + 1).collect()
         } else {
@@ -857,7 +958,7 @@ fn fault_sweep() {
         };
         let mut outcomes: BTreeMap<String, u64> = BTreeMap::new();
         for &k in &positions {
-            let (o, _) = run_one(&steps, Some((op, k)));
+            let (o, _) = run_one(w, Some((op, k)));
             runs += 1;
             *outcomes.entry(o.class()).or_default() += 1;
         }
@@ -877,8 +978,40 @@ fn fault_sweep() {
         not_called.join(", ")
     );
     let _ = writeln!(report, "{runs} faulted runs, all checks passed");
+    census
+}
+
+#[test]
+fn fault_sweep() {
+    let workloads = [trace_and_streams(), pressure()];
+    let full = std::env::var("TIDEPOOL_SWEEP_FULL").is_ok_and(|v| v == "1");
+    // `TIDEPOOL_SWEEP_ONLY=workload:op:k` (e.g. `pressure:wait_event:1`)
+    // runs one triple, to debug it.
+    if let Ok(only) = std::env::var("TIDEPOOL_SWEEP_ONLY") {
+        let mut parts = only.split(':');
+        let (Some(wname), Some(name), Some(k)) = (parts.next(), parts.next(), parts.next()) else {
+            panic!("TIDEPOOL_SWEEP_ONLY=workload:op:k");
+        };
+        let w = workloads
+            .iter()
+            .find(|w| w.name == wname)
+            .expect("a workload name");
+        let op = *Op::ALL
+            .iter()
+            .find(|o| o.name() == name)
+            .expect("an op name");
+        let (o, _) = run_one(w, Some((op, k.parse().expect("a position"))));
+        let _ = writeln!(std::io::stderr().lock(), "{only}: {}", o.class());
+        return;
+    }
+    let mut report = String::new();
+    let censuses: Vec<Vec<u64>> = workloads
+        .iter()
+        .map(|w| sweep(w, full, &mut report))
+        .collect();
     // Outside libtest's capture, so the matrix is visible with --nocapture or not.
     let _ = write!(std::io::stderr().lock(), "{report}");
+    let calls = |w: usize, op: Op| censuses[w][Op::ALL.iter().position(|&o| o == op).unwrap()];
     // The sweep must reach the operations it claims to cover.
     for op in [
         Op::ReserveVa,
@@ -898,9 +1031,13 @@ fn fault_sweep() {
         Op::SynchronizeDevice,
         Op::MemInfo,
     ] {
-        let idx = Op::ALL.iter().position(|&o| o == op).unwrap();
-        assert!(census[idx] > 0, "the workload never calls {op}");
+        assert!(calls(0, op) > 0, "the workload never calls {op}");
     }
+    // The pressure workload is there for its internal dependencies.
+    assert!(
+        calls(1, Op::WaitEvent) >= 2,
+        "the pressure workload made no internal dependencies"
+    );
 }
 
 /// Rule: `synchronize` either waits for every stream the pool knows, or
