@@ -544,6 +544,25 @@ impl Run {
                     Ok(a) => a,
                     Err(PoolError::OutOfMemory(r)) => {
                         check!(self.cap.is_some(), "{at}: out of memory with no cap: {r:?}");
+                        // No false out-of-memory: with nothing held (all work
+                        // done and the pool free to observe it) and enough
+                        // pages untouched by live allocations, the pool must
+                        // find or stitch the memory.
+                        let touched: std::collections::BTreeSet<u64> = self
+                            .live
+                            .iter()
+                            .flat_map(|l| {
+                                let p = l.alloc.ptr();
+                                p / PAGE as u64..=(p + l.alloc.size() as u64 - 1) / PAGE as u64
+                            })
+                            .collect();
+                        let cap_pages = self.cap.unwrap() / PAGE as u64;
+                        let free_pages = cap_pages.saturating_sub(touched.len() as u64);
+                        let need = (size as u64).div_ceil(PAGE as u64) + 1;
+                        check!(
+                            !(self.held.is_empty() && pool.reuse().opportunistic && free_pages >= need),
+                            "{at}: false out of memory: nothing held, {free_pages} of {cap_pages} pages untouched by live allocations, {need} needed: {r:?}"
+                        );
                         self.ooms += 1;
                         let after = pool.stats();
                         check!(
