@@ -574,7 +574,9 @@ impl<D: Device> MemPool<D> {
             if lock(&entry.state).retired {
                 continue;
             }
-            match inner.reach(stream) {
+            // A stream whose state cannot be learned is an error: returning
+            // Ok would claim a wait that did not happen.
+            match inner.reach_checked(stream)? {
                 Reach::Live => {
                     let epoch = lock(&entry.state).close_epoch_synced();
                     inner.device.synchronize_stream(stream)?;
@@ -682,7 +684,9 @@ impl<D: Device> MemPool<D> {
             // perhaps destroyed): with an event, or — when the driver stream
             // is already gone — by a device-wide wait below.
             if st.frees_in_epoch {
-                match inner.reach(stream) {
+                // State unknown: retiring anyway would strand the frees under
+                // an epoch nothing closes; the caller may retry.
+                match inner.reach_checked(stream)? {
                     Reach::Live => {
                         let event = inner.events.acquire()?;
                         match inner.device.record_event(event, stream) {
@@ -820,6 +824,18 @@ impl<D: Device> PoolInner<D> {
         }
     }
 
+    /// Like [`PoolInner::reach`], but a failed query is an error rather
+    /// than `Untouchable`, for callers that must not return as if they had
+    /// dealt with the stream.
+    pub(crate) fn reach_checked(&self, stream: Stream) -> Result<Reach, PoolError> {
+        match self.device.is_capturing(stream) {
+            Ok(false) => Ok(Reach::Live),
+            Err(SysError::InvalidHandle { what: "stream", .. }) => Ok(Reach::Gone),
+            Ok(true) => Ok(Reach::Untouchable),
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// Wait on the host, device-wide, for the frees of streams destroyed
     /// before the pool could record an event on them, and mark them
     /// complete. Returns whether every orphaned free is now complete; it
@@ -836,7 +852,9 @@ impl<D: Device> PoolInner<D> {
         }
         for (_, e) in &all {
             let stream = lock(&e.state).stream;
-            if self.reach(stream) == Reach::Untouchable {
+            // A stream whose state cannot be learned is an error, not a
+            // reason to report the orphans as still pending and succeed.
+            if self.reach_checked(stream)? == Reach::Untouchable {
                 tracing::warn!(
                     pool = self.id,
                     %stream,
