@@ -54,6 +54,7 @@ use ::cudarc::driver::{
     sys, CudaContext, CudaSlice, CudaStream, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr,
     DeviceSlice, DriverError, HostSlice, LaunchArgs, PushKernelArg, SyncOnDrop, ValidAsZeroBits,
 };
+use std::any::{Any, TypeId};
 use std::collections::HashMap;
 use std::fmt;
 use std::mem::ManuallyDrop;
@@ -219,6 +220,42 @@ struct StreamHandle {
     id: Stream,
     pool: MemPool<CudaDevice>,
     stream: Arc<CudaStream>,
+    /// Slices of dropped buffers, kept for the next buffer at the same
+    /// address (see [`Parked`]).
+    parked: Mutex<Vec<Parked>>,
+}
+
+/// Most slices parked per stream.
+const PARK_LIMIT: usize = 32;
+
+/// The `CudaSlice` of a dropped buffer, kept so that the next buffer of the
+/// same address, length and type on the same stream reuses it instead of
+/// `upgrade_device_ptr`, which creates two tracking events (and the drop
+/// destroys them): with tracking on, that event churn costs more than the
+/// pool's own alloc+free. Reusing the slice reuses its events; their last
+/// records lie before the free, so a later wait on them only orders after
+/// work that is already ordered before the reuse.
+struct Parked {
+    ptr: u64,
+    len: usize,
+    type_id: TypeId,
+    /// Whether the slice has tracking events (tracking was on when it was
+    /// made); reused only while that is still the context's setting, so a
+    /// slice without events never serves a tracked buffer.
+    tracked: bool,
+    slice: Box<dyn Any + Send>,
+}
+
+/// A parked slice: taken out for reuse, or `leak`ed, never dropped
+/// normally (its drop would free pool memory with `cuMemFreeAsync`).
+struct ParkedSlice<T>(Option<CudaSlice<T>>);
+
+impl<T> Drop for ParkedSlice<T> {
+    fn drop(&mut self) {
+        if let Some(slice) = self.0.take() {
+            let _ = slice.leak();
+        }
+    }
 }
 
 impl StreamHandle {
@@ -249,6 +286,7 @@ impl StreamHandle {
             id,
             pool: pool.clone(),
             stream: stream.clone(),
+            parked: Mutex::new(Vec::new()),
         });
         map.insert(key, Arc::downgrade(&handle));
         tracing::debug!(
@@ -258,6 +296,39 @@ impl StreamHandle {
             "cudarc stream registered"
         );
         Ok(handle)
+    }
+}
+
+impl StreamHandle {
+    fn take_parked<T: 'static>(&self, ptr: u64, len: usize) -> Option<CudaSlice<T>> {
+        let tracked = self.stream.context().is_event_tracking();
+        let type_id = TypeId::of::<ParkedSlice<T>>();
+        let mut parked = lock(&self.parked);
+        let at = parked.iter().rposition(|p| {
+            p.ptr == ptr && p.len == len && p.type_id == type_id && p.tracked == tracked
+        })?;
+        let entry = parked.swap_remove(at);
+        drop(parked);
+        let mut boxed = entry.slice.downcast::<ParkedSlice<T>>().ok()?;
+        boxed.0.take()
+    }
+
+    fn park<T: 'static>(&self, ptr: u64, tracked: bool, slice: CudaSlice<T>) {
+        let entry = Parked {
+            ptr,
+            len: slice.len(),
+            type_id: TypeId::of::<ParkedSlice<T>>(),
+            tracked,
+            slice: Box::new(ParkedSlice(Some(slice))),
+        };
+        let evicted = {
+            let mut parked = lock(&self.parked);
+            let evicted = (parked.len() >= PARK_LIMIT).then(|| parked.remove(0));
+            parked.push(entry);
+            evicted
+        };
+        // Leaked outside the lock (it may wait on its events).
+        drop(evicted);
     }
 }
 
@@ -364,42 +435,47 @@ impl PoolStream {
             .ok_or(CudarcError::SizeOverflow { len, elem_size })
     }
 
-    fn buffer<T>(&self, len: usize) -> Result<PoolBuffer<T>, CudarcError> {
+    fn buffer<T: 'static>(&self, len: usize) -> Result<PoolBuffer<T>, CudarcError> {
         let handle = &self.handle;
         let allocation = handle
             .pool
             .alloc_async(Self::bytes_of::<T>(len)?, handle.id)?;
         let ptr = allocation.ptr() as sys::CUdeviceptr;
-        // `upgrade_device_ptr` unwraps the creation of its tracking events;
-        // a failure there comes back as an error, with the block freed.
-        let upgraded = catch_unwind(AssertUnwindSafe(|| {
-            // SAFETY: `ptr` is `len * size_of::<T>()` bytes of this pool's
-            // memory, mapped in the primary context the stream belongs to,
-            // usable by work ordered after the allocation on this stream.
-            // The slice is kept in `ManuallyDrop` and only ever `leak`ed,
-            // so cudarc never frees it.
-            unsafe { handle.stream.upgrade_device_ptr::<T>(ptr, len) }
-        }));
-        match upgraded {
-            Ok(slice) => Ok(PoolBuffer {
-                slice: ManuallyDrop::new(slice),
-                allocation: Some(allocation),
-                home: handle.clone(),
-                uses: Mutex::new(Vec::new()),
-            }),
-            Err(_) => {
-                if let Err(e) = handle.pool.free_async(allocation, handle.id) {
-                    tracing::error!(error = %e, "freeing a block after a failed upgrade failed; it leaks");
+        let tracked = handle.stream.context().is_event_tracking();
+        let slice = match handle.take_parked::<T>(ptr, len) {
+            Some(slice) => slice,
+            // `upgrade_device_ptr` unwraps the creation of its tracking
+            // events; a failure there comes back as an error, the block freed.
+            None => match catch_unwind(AssertUnwindSafe(|| {
+                // SAFETY: `ptr` is `len * size_of::<T>()` bytes of this
+                // pool's memory, mapped in the primary context the stream
+                // belongs to, usable by work ordered after the allocation on
+                // this stream. The slice is kept in `ManuallyDrop` (or
+                // parked) and only ever `leak`ed, so cudarc never frees it.
+                unsafe { handle.stream.upgrade_device_ptr::<T>(ptr, len) }
+            })) {
+                Ok(slice) => slice,
+                Err(_) => {
+                    if let Err(e) = handle.pool.free_async(allocation, handle.id) {
+                        tracing::error!(error = %e, "freeing a block after a failed upgrade failed; it leaks");
+                    }
+                    return Err(CudarcError::Driver(DriverError(
+                        sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY,
+                    )));
                 }
-                Err(CudarcError::Driver(DriverError(
-                    sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY,
-                )))
-            }
-        }
+            },
+        };
+        Ok(PoolBuffer {
+            slice: ManuallyDrop::new(slice),
+            allocation: Some(allocation),
+            tracked,
+            home: handle.clone(),
+            uses: Mutex::new(Vec::new()),
+        })
     }
 
     /// An empty buffer (length 0), as `CudaStream::null`.
-    pub fn null<T>(&self) -> Result<PoolBuffer<T>, CudarcError> {
+    pub fn null<T: 'static>(&self) -> Result<PoolBuffer<T>, CudarcError> {
         self.buffer(0)
     }
 
@@ -407,12 +483,15 @@ impl PoolStream {
     ///
     /// # Safety
     /// The memory is not initialised: write it before reading it.
-    pub unsafe fn alloc<T: DeviceRepr>(&self, len: usize) -> Result<PoolBuffer<T>, CudarcError> {
+    pub unsafe fn alloc<T: DeviceRepr + 'static>(
+        &self,
+        len: usize,
+    ) -> Result<PoolBuffer<T>, CudarcError> {
         self.buffer(len)
     }
 
     /// `len` zeroed elements from the pool, as `CudaStream::alloc_zeros`.
-    pub fn alloc_zeros<T: DeviceRepr + ValidAsZeroBits>(
+    pub fn alloc_zeros<T: DeviceRepr + ValidAsZeroBits + 'static>(
         &self,
         len: usize,
     ) -> Result<PoolBuffer<T>, CudarcError> {
@@ -422,7 +501,7 @@ impl PoolStream {
     }
 
     /// A pool buffer holding a copy of host data, as `CudaStream::clone_htod`.
-    pub fn clone_htod<T: DeviceRepr, Src: HostSlice<T> + ?Sized>(
+    pub fn clone_htod<T: DeviceRepr + 'static, Src: HostSlice<T> + ?Sized>(
         &self,
         src: &Src,
     ) -> Result<PoolBuffer<T>, CudarcError> {
@@ -432,7 +511,7 @@ impl PoolStream {
     }
 
     /// A pool buffer holding a copy of device data, as `CudaStream::clone_dtod`.
-    pub fn clone_dtod<T: DeviceRepr, Src: DevicePtr<T>>(
+    pub fn clone_dtod<T: DeviceRepr + 'static, Src: DevicePtr<T>>(
         &self,
         src: &Src,
     ) -> Result<PoolBuffer<T>, CudarcError> {
@@ -449,19 +528,21 @@ impl PoolStream {
 /// forwarding, so memcpy, memset, launches and cuBLAS take it as they take a
 /// slice, and cudarc's event tracking covers it. See the module docs for the
 /// drop order.
-pub struct PoolBuffer<T> {
+pub struct PoolBuffer<T: 'static> {
     /// A slice over pool memory: never dropped normally (its drop would
     /// `cuMemFreeAsync` it), only `leak`ed in [`PoolBuffer`]'s drop.
     slice: ManuallyDrop<CudaSlice<T>>,
     /// `None` only during drop.
     allocation: Option<Allocation>,
+    /// Whether the slice has tracking events (tracking was on at creation).
+    tracked: bool,
     /// The stream the buffer lives and is freed on.
     home: Arc<StreamHandle>,
     /// Streams declared with [`PoolBuffer::record_stream`].
     uses: Mutex<Vec<Arc<StreamHandle>>>,
 }
 
-impl<T> fmt::Debug for PoolBuffer<T> {
+impl<T: 'static> fmt::Debug for PoolBuffer<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PoolBuffer")
             .field("ptr", &format_args!("{:#x}", self.slice_ptr()))
@@ -471,14 +552,14 @@ impl<T> fmt::Debug for PoolBuffer<T> {
     }
 }
 
-impl<T> Deref for PoolBuffer<T> {
+impl<T: 'static> Deref for PoolBuffer<T> {
     type Target = CudaSlice<T>;
     fn deref(&self) -> &CudaSlice<T> {
         &self.slice
     }
 }
 
-impl<T> PoolBuffer<T> {
+impl<T: 'static> PoolBuffer<T> {
     fn slice_ptr(&self) -> u64 {
         self.allocation.as_ref().map_or(0, |a| a.ptr())
     }
@@ -558,7 +639,7 @@ impl<T> PoolBuffer<T> {
     /// A copy from the pool on `stream` (which need not be the buffer's).
     pub fn clone_on(&self, stream: &PoolStream) -> Result<PoolBuffer<T>, CudarcError>
     where
-        T: DeviceRepr,
+        T: DeviceRepr + 'static,
     {
         stream.clone_dtod(self)
     }
@@ -568,7 +649,7 @@ impl<T> PoolBuffer<T> {
 /// `CudaSlice::clone` would allocate from the driver). Panics when the pool
 /// is out of memory, as `CudaSlice::clone` does; [`PoolBuffer::clone_on`]
 /// returns the error instead.
-impl<T: DeviceRepr> Clone for PoolBuffer<T> {
+impl<T: DeviceRepr + 'static> Clone for PoolBuffer<T> {
     fn clone(&self) -> Self {
         let home = PoolStream {
             handle: self.home.clone(),
@@ -580,40 +661,51 @@ impl<T: DeviceRepr> Clone for PoolBuffer<T> {
     }
 }
 
-impl<T> Drop for PoolBuffer<T> {
+impl<T: 'static> Drop for PoolBuffer<T> {
     fn drop(&mut self) {
-        // SAFETY: the slice is taken exactly once, here, and not touched
-        // again; it is leaked, never dropped (which would free pool memory
-        // with cuMemFreeAsync).
-        let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
-        // (1) The buffer's stream waits for the read and write events cudarc
-        // recorded on other streams (when the context manages stream
-        // synchronisation); the events are destroyed, the memory kept.
-        let _ = slice.leak();
+        // SAFETY: the slice is taken exactly once, here, and then parked
+        // or leaked, never dropped (which would free pool memory with
+        // cuMemFreeAsync).
+        let mut slice = unsafe { ManuallyDrop::take(&mut self.slice) };
         let Some(mut allocation) = self.allocation.take() else {
+            let _ = slice.leak();
             return;
         };
+        // (1) The buffer's stream waits for the read and write events cudarc
+        // recorded on other streams (when the context manages stream
+        // synchronisation), exactly as `CudaSlice`'s own drop does. The
+        // returned recorder would record a new write: it is not needed.
+        let home = self.home.clone();
+        let (_, record) = slice.device_ptr_mut(&home.stream);
+        std::mem::forget(record);
         // (2) Declared uses: the pool orders the free after them.
         let uses = std::mem::take(&mut *lock(&self.uses));
         for user in &uses {
-            self.home.pool.record_use(&mut allocation, user.id);
+            home.pool.record_use(&mut allocation, user.id);
         }
         // (3) The free, in the buffer's stream's order.
-        if let Err(e) = self.home.pool.free_async(allocation, self.home.id) {
-            tracing::error!(
-                error = %e.error,
-                ptr = e.allocation.ptr(),
-                size = e.allocation.size(),
-                "tidepool: freeing a PoolBuffer failed; its memory leaks until the pool is dropped"
-            );
+        let ptr = allocation.ptr();
+        match home.pool.free_async(allocation, home.id) {
+            // (4) The slice waits, with its events, for the next buffer at
+            // this address on this stream.
+            Ok(()) => home.park(ptr, self.tracked, slice),
+            Err(e) => {
+                tracing::error!(
+                    error = %e.error,
+                    ptr = e.allocation.ptr(),
+                    size = e.allocation.size(),
+                    "tidepool: freeing a PoolBuffer failed; its memory leaks until the pool is dropped"
+                );
+                let _ = slice.leak();
+            }
         }
         // The use handles go after the free (their stream ids stay valid
-        // through it); `home` goes with the struct.
+        // through it).
         drop(uses);
     }
 }
 
-impl<T> DeviceSlice<T> for PoolBuffer<T> {
+impl<T: 'static> DeviceSlice<T> for PoolBuffer<T> {
     fn len(&self) -> usize {
         self.slice.len()
     }
@@ -622,13 +714,13 @@ impl<T> DeviceSlice<T> for PoolBuffer<T> {
     }
 }
 
-impl<T> DevicePtr<T> for PoolBuffer<T> {
+impl<T: 'static> DevicePtr<T> for PoolBuffer<T> {
     fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
         self.slice.device_ptr(stream)
     }
 }
 
-impl<T> DevicePtrMut<T> for PoolBuffer<T> {
+impl<T: 'static> DevicePtrMut<T> for PoolBuffer<T> {
     fn device_ptr_mut<'a>(
         &'a mut self,
         stream: &'a CudaStream,
@@ -640,7 +732,7 @@ impl<T> DevicePtrMut<T> for PoolBuffer<T> {
 // SAFETY: forwards to cudarc's own impl for `&CudaSlice<T>`, which pushes a
 // pointer to the slice's device pointer (alive for 'b, as the buffer is)
 // and the slice's events for tracking.
-unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b PoolBuffer<T>> for LaunchArgs<'a> {
+unsafe impl<'a, 'b: 'a, T: 'static> PushKernelArg<&'b PoolBuffer<T>> for LaunchArgs<'a> {
     #[inline(always)]
     fn arg(&mut self, arg: &'b PoolBuffer<T>) -> &mut Self {
         let slice: &'b CudaSlice<T> = &arg.slice;
@@ -649,7 +741,7 @@ unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b PoolBuffer<T>> for LaunchArgs<'a> {
 }
 
 // SAFETY: forwards to cudarc's own impl for `&mut CudaSlice<T>` (see above).
-unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b mut PoolBuffer<T>> for LaunchArgs<'a> {
+unsafe impl<'a, 'b: 'a, T: 'static> PushKernelArg<&'b mut PoolBuffer<T>> for LaunchArgs<'a> {
     #[inline(always)]
     fn arg(&mut self, arg: &'b mut PoolBuffer<T>) -> &mut Self {
         let slice: &'b mut CudaSlice<T> = &mut arg.slice;
