@@ -82,14 +82,19 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 /// (loaded at run time, or linked by the user's `dynamic-linking` /
 /// `static-linking` build, where cudarc has no loader to ask).
 fn open_driver_library() -> Option<libloading::Library> {
-    ["cuda", "nvcuda"]
-        .iter()
-        .flat_map(|name| cudarc::get_lib_name_candidates(name))
-        .find_map(|candidate| {
-            // SAFETY: loading the NVIDIA driver library runs only its own
-            // initialisers, which are safe to run in any process.
-            unsafe { libloading::Library::new(candidate) }.ok()
-        })
+    use std::env::consts::{DLL_PREFIX, DLL_SUFFIX};
+    [
+        format!("{DLL_PREFIX}cuda{DLL_SUFFIX}"),
+        format!("{DLL_PREFIX}cuda{DLL_SUFFIX}.1"),
+        format!("{DLL_PREFIX}nvcuda{DLL_SUFFIX}"),
+        "nvcuda.dll".to_string(),
+    ]
+    .into_iter()
+    .find_map(|candidate| {
+        // SAFETY: loading the NVIDIA driver library runs only its own
+        // initialisers, which are safe to run in any process.
+        unsafe { libloading::Library::new(candidate) }.ok()
+    })
 }
 
 fn probe() -> Result<(), String> {
