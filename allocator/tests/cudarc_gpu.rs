@@ -144,8 +144,12 @@ fn drop_waits_for_tracked_reads_on_another_stream() {
     let addr = buf.ptr();
     drop(buf);
 
+    // One word shorter: the same block (the pool rounds sizes up), but not
+    // the dropped buffer's own slice, whose events the adapter would reuse
+    // (which orders after B's read by itself); so only the drop's ordering
+    // protects B here.
     // SAFETY: filled before it is read.
-    let mut next = unsafe { a.alloc::<u32>(words) }.expect("alloc");
+    let mut next = unsafe { a.alloc::<u32>(words - 1) }.expect("alloc");
     assert_eq!(next.ptr(), addr, "the same block comes back on A");
     tags.fill(&a, &mut next, 0x2222_2222);
     tags.verify(&a, &next, 0x2222_2222, &mut a_errors);
@@ -184,8 +188,7 @@ fn clone_stays_in_the_pool() {
     assert_eq!(pool.stats().used_current, 0);
 }
 
-/// A million alloc/drop cycles leave `used_current` at 0 and the pool at
-/// its first growth.
+/// A million alloc/drop cycles leave `used_current` at 0 and the pool small.
 #[test]
 fn million_alloc_drop_cycles_leave_nothing_used() {
     let Some(ctx) = context("million_alloc_drop_cycles_leave_nothing_used") else {
@@ -205,7 +208,12 @@ fn million_alloc_drop_cycles_leave_nothing_used() {
     assert_eq!(stats.used_current, 0, "{stats:?}");
     assert!(stats.allocs >= cycles, "{stats:?}");
     assert_eq!(stats.frees, stats.allocs, "{stats:?}");
-    assert_eq!(stats.growths, 1, "one growth served every cycle: {stats:?}");
+    // 64 GB went through the pool; a leak of even one block per thousand
+    // cycles would hold far more than this.
+    assert!(
+        stats.reserved_high <= 64 << 20,
+        "the pool stayed small: {stats:?}"
+    );
 }
 
 /// The last `PoolStream` of a stream retires it from the pool; a driver
