@@ -359,8 +359,8 @@ impl Drop for StreamHandle {
 /// A cudarc stream whose allocations come from a tidepool pool.
 ///
 /// Dereferences to the wrapped `Arc<CudaStream>`, so cudarc's stream API
-/// (memcpy, memset, `launch_builder`, `CudaBlas::new(stream.clone())` via
-/// `CudaBlas::new(stream.clone())`, ...) works unchanged. `PoolStream` is
+/// (memcpy, memset, `launch_builder`, `join`, `CudaBlas::new(stream.clone())`,
+/// ...) works unchanged. `PoolStream` is
 /// deliberately not `Clone`: `stream.clone()` reaches the `Arc<CudaStream>`
 /// as it does in a plain cudarc program; [`PoolStream::share`] gives a
 /// second `PoolStream`.
