@@ -6,7 +6,7 @@ markdown tables of docs/benchmarks.md and a thread-scaling SVG.
 
 Python 3 standard library only; the SVG is written by hand. Prints markdown
 on stdout: per bench a table of every allocator's figure and tidepool's ratio
-against each baseline, then the three targets of DESIGN §5 with met / missed.
+against each baseline, then the project's three H200 targets with met / missed.
 """
 import argparse
 import json
@@ -113,7 +113,7 @@ def table(rows, bench, backend):
 
 
 def targets(rows):
-    """The three targets of DESIGN §5, on the cuda backend."""
+    """The project's three targets, on the cuda backend."""
     def get(bench, alloc, param):
         for r in rows:
             if (r["bench"], r["backend"], r["allocator"], r["param"]) == (bench, "cuda", alloc, param):

@@ -7,13 +7,23 @@
 //!
 //! Same-stream reuse, a cross-stream hand-over through a pool event, a
 //! declared use on another stream, statistics, trim, and the typed errors a
-//! caller acts on.
+//! caller acts on. `RUST_LOG=debug` (or `tidepool=trace`) also prints the
+//! pool's events (see docs/logging.md).
 
 use std::sync::Arc;
 use tidepool::{MemPool, PoolConfig, PoolError};
 use tidepool_sys::Device;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // The pool's `tracing` events on stderr, filtered by RUST_LOG
+    // (default: warnings and errors only).
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
     if tidepool_sys::cuda::driver_available() {
         let device = Arc::new(tidepool_sys::cuda::CudaDevice::new(0)?);
         tour(device)
@@ -56,19 +66,26 @@ fn tour<D: Device>(device: Arc<D>) -> Result<(), Box<dyn std::error::Error>> {
     );
 
     // Cross-stream: `b` waits, through the pool, on an event recorded on
-    // `a` after the free; the pool then knows `b` is ordered after it.
+    // `a` after the free; the pool then knows `b` is ordered after it, so
+    // a's block becomes *eligible* for `b`. Eligible is not chosen: the
+    // block sits in a's per-stream cache (kept for a's next allocation, the
+    // fastest path), and the rest of the page the pool already holds needs
+    // no ordering at all, so `b` gets that. a's block would go to `b` before
+    // the pool grew or moved memory: caches join the shared free ranges
+    // whenever nothing else fits, and the event makes the block usable on
+    // `b` with no query and no wait.
     pool.free_async(y, a)?;
     let done_on_a = pool.record_event(a)?;
     pool.wait_event(b, &done_on_a)?;
     let z = pool.alloc_async(1 << 20, b)?;
-    println!(
-        "after the event, b got {}",
-        if z.ptr() == first {
-            "a's block"
-        } else {
-            "another block"
-        }
-    );
+    if z.ptr() == first {
+        println!("after the event, b got a's block");
+    } else {
+        println!(
+            "after the event, b got another block: a's block stays in a's per-stream \
+             cache while free memory that needs no ordering is at hand (see the comment)"
+        );
+    }
 
     // A use on another stream must be declared; the free then waits for it
     // in stream order (like PyTorch's record_stream).
@@ -76,7 +93,8 @@ fn tour<D: Device>(device: Arc<D>) -> Result<(), Box<dyn std::error::Error>> {
     pool.record_use(&mut shared, reader);
     pool.free_async(shared, b)?;
 
-    // Out-of-memory is reported by the call itself, with what the pool saw.
+    // Out-of-memory is reported by the call itself, with what the pool saw
+    // (the pool also logs it as a warning on stderr).
     match pool.alloc_async(1 << 30, a) {
         Err(e @ PoolError::OutOfMemory(_)) => println!("1 GiB refused: {e}"),
         Err(e) => return Err(e.into()),
@@ -86,11 +104,7 @@ fn tour<D: Device>(device: Arc<D>) -> Result<(), Box<dyn std::error::Error>> {
     // Retire streams before destroying them: the pool closes their frees
     // with an event so it can still learn when they complete.
     pool.synchronize()?;
-    let s = pool.stats();
-    println!(
-        "reserved {} B (high {}), used {} B, {} allocs, {} cache hits, {} OOMs",
-        s.reserved_current, s.reserved_high, s.used_current, s.allocs, s.cache_hits, s.ooms
-    );
+    println!("stats: {}", pool.stats());
     let released = pool.trim_to(0)?;
     println!(
         "trim_to(0) released {released} B; {} B still held",

@@ -51,6 +51,28 @@ pub enum PoolError {
     TooLarge { requested: usize, limit: usize },
     /// A configuration value is unusable.
     InvalidConfig { reason: String },
+    /// A device that does not exist, or cannot access the pool's device,
+    /// was named for peer access.
+    NoPeerAccess { device: i32, reason: String },
+    /// The access asked for cannot be set.
+    InvalidAccess { device: i32, reason: String },
+    /// Pages of the pool disagree on a device's access (a bug: report it).
+    AccessMismatch {
+        device: i32,
+        ptr: DevicePtr,
+        expected: tidepool_sys::Access,
+        found: tidepool_sys::Access,
+    },
+    /// The allocation cannot be exported.
+    NotExportable { reason: String },
+    /// Free refused: another process still maps the exported allocation.
+    ExportInUse { ptr: DevicePtr, imports: u64 },
+    /// Import refused: the exporter already freed the allocation.
+    ExportClosed { exporter_pid: u32, pool: u64 },
+    /// The export descriptor and file descriptors do not make one export.
+    BadDescriptor { reason: String },
+    /// No live import of this pool starts at this address.
+    NotImported { ptr: DevicePtr },
 }
 
 impl PoolError {
@@ -120,6 +142,42 @@ impl fmt::Display for PoolError {
                 "request of {requested} bytes exceeds the pool's address space of {limit} bytes"
             ),
             PoolError::InvalidConfig { reason } => write!(f, "invalid pool configuration: {reason}"),
+            PoolError::NoPeerAccess { device, reason } => write!(
+                f,
+                "device {device} cannot be given access to this pool ({reason}); name only devices that exist and report peer capability"
+            ),
+            PoolError::InvalidAccess { device, reason } => {
+                write!(f, "cannot set the access of device {device}: {reason}")
+            }
+            PoolError::AccessMismatch {
+                device,
+                ptr,
+                expected,
+                found,
+            } => write!(
+                f,
+                "page at {ptr:#x} gives device {device} {found:?} access, the pool expects {expected:?}; this is a tidepool bug, please report it"
+            ),
+            PoolError::NotExportable { reason } => write!(
+                f,
+                "cannot export: {reason}; create the pool with PoolConfig::with_exportable(true) and export live allocations"
+            ),
+            PoolError::ExportInUse { ptr, imports } => write!(
+                f,
+                "allocation {ptr:#x} is still imported {imports} time(s) by other processes; they must release their imports before it is freed"
+            ),
+            PoolError::ExportClosed { exporter_pid, pool } => write!(
+                f,
+                "the exporter (process {exporter_pid}, pool {pool}) already freed this allocation; import before the exporter frees"
+            ),
+            PoolError::BadDescriptor { reason } => write!(
+                f,
+                "bad export descriptor: {reason}; pass the descriptor and file descriptors of one MemPool::export unchanged"
+            ),
+            PoolError::NotImported { ptr } => write!(
+                f,
+                "{ptr:#x} is not a live import of this pool (released already, or imported by another pool)"
+            ),
         }
     }
 }

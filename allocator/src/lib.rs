@@ -69,6 +69,7 @@ mod policy;
 mod pool;
 mod raw;
 mod registry;
+pub mod share;
 mod stats;
 pub(crate) mod sync;
 
@@ -77,5 +78,6 @@ pub use error::{OomReport, PoolError};
 pub use pool::{Allocation, FreeError, MemPool, PoolEvent, ALIGNMENT};
 #[cfg(not(loom))]
 pub use registry::default_pool;
+pub use share::{ExportedAllocation, ImportedAllocation};
 pub use stats::PoolStats;
-pub use tidepool_sys::{Device, DevicePtr, Stream};
+pub use tidepool_sys::{Access, Device, DevicePtr, Stream};

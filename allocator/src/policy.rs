@@ -533,7 +533,7 @@ impl<D: Device> PoolInner<D> {
         let ptr = self.page_ptr(st, p);
         let handle = st.arena.phys[i].handle;
         self.device.map(ptr, page, handle, 0)?;
-        if let Err(e) = self.device.set_access(ptr, page, &self.access) {
+        if let Err(e) = self.device.set_access(ptr, page, &self.share.access_list()) {
             if let Err(e2) = self.device.unmap(ptr, page) {
                 tracing::warn!(error = %e2, "unmap after failed set_access failed");
             }

@@ -10,7 +10,7 @@ use crate::stats::{Counters, PoolStats};
 use crate::sync::{lock, Arc, AtomicBool, AtomicU64, Mutex, Ordering, RwLock};
 use std::collections::HashMap;
 use std::fmt;
-use tidepool_sys::{Access, AccessDesc, Device, DevicePtr, Event, Stream, SysError, SysResult};
+use tidepool_sys::{Device, DevicePtr, Event, Stream, SysError, SysResult};
 
 /// Alignment of every pointer the pool hands out (CUDA guarantees 256).
 pub const ALIGNMENT: usize = 512;
@@ -230,7 +230,8 @@ pub(crate) struct PoolInner<D: Device> {
     pub base: DevicePtr,
     pub va_size: usize,
     pub config: PoolConfig,
-    pub access: Vec<AccessDesc>,
+    /// Peer access list, exports and imports (see `share.rs`).
+    pub share: crate::share::ShareState,
     follow: AtomicBool,
     opportunistic: AtomicBool,
     internal: AtomicBool,
@@ -309,26 +310,16 @@ impl<D: Device> MemPool<D> {
                 reason: "va_size overflows".into(),
             })?
         };
+        // Peer devices are checked before anything is reserved.
+        let access = crate::share::initial_access(&*device, &config.peer_devices)?;
         let base = device.reserve_va(va_size, page)?;
-        let mut access = vec![AccessDesc {
-            device: device.ordinal(),
-            access: Access::ReadWrite,
-        }];
-        for &peer in &config.peer_devices {
-            if peer != device.ordinal() {
-                access.push(AccessDesc {
-                    device: peer,
-                    access: Access::ReadWrite,
-                });
-            }
-        }
         let id = NEXT_POOL_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let reuse = config.reuse;
         let inner = Arc::new(PoolInner {
             id,
             base,
             va_size,
-            access,
+            share: crate::share::ShareState::new(access),
             follow: AtomicBool::new(reuse.follow_event_dependencies),
             opportunistic: AtomicBool::new(reuse.opportunistic),
             internal: AtomicBool::new(reuse.internal_dependencies),
@@ -455,6 +446,10 @@ impl<D: Device> MemPool<D> {
         if allocation.len == 0 {
             Counters::bump(&inner.counters.zero_frees);
             return Ok(());
+        }
+        // Exported: refused while another process maps it (see share.rs).
+        if let Err(e) = inner.share.check_free(allocation.ptr) {
+            return fail(e, allocation);
         }
         if inner.config.check_capture {
             match inner.device.is_capturing(stream) {
@@ -991,6 +986,8 @@ impl<D: Device> PoolInner<D> {
 impl<D: Device> Drop for PoolInner<D> {
     fn drop(&mut self) {
         crate::registry::unregister(self.id);
+        // Imports of other pools' memory (see share.rs).
+        self.share.release_all_imports(&*self.device);
         // Map, unmap and release act at once: wait for every free's device
         // work before taking the memory away.
         for (_, entry) in self.all_streams() {

@@ -1,9 +1,17 @@
 //! Pool statistics: a plain snapshot type, and the counters behind it.
 
 use crate::sync::{AtomicU64, Mutex, Ordering};
+use std::fmt;
 
 /// A snapshot of a pool's attributes and counters.
+///
+/// Fields may be added in later versions (hence `#[non_exhaustive]`: read
+/// the fields, build none). `Display` gives a one-line summary; with the
+/// crate's `serde` feature the snapshot serialises as an object with one
+/// field per counter (names as below, byte counts in bytes).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[non_exhaustive]
 pub struct PoolStats {
     /// Physical bytes the pool holds now.
     pub reserved_current: u64,
@@ -33,6 +41,31 @@ pub struct PoolStats {
     pub internal_dependencies: u64,
     /// Allocations that failed with out-of-memory.
     pub ooms: u64,
+}
+
+impl fmt::Display for PoolStats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+        write!(
+            f,
+            "reserved {:.1} MiB (high {:.1}), used {:.1} MiB (high {:.1}); {} allocs, {} frees, \
+             {} cache hits; {} growths, {} releases, {} remaps, {} rebinds, {} internal \
+             dependencies, {} out-of-memory",
+            mib(self.reserved_current),
+            mib(self.reserved_high),
+            mib(self.used_current),
+            mib(self.used_high),
+            self.allocs,
+            self.frees,
+            self.cache_hits,
+            self.growths,
+            self.releases,
+            self.remaps,
+            self.rebinds,
+            self.internal_dependencies,
+            self.ooms
+        )
+    }
 }
 
 /// Counters kept per stream, under the stream's own lock: the fast path
@@ -94,5 +127,47 @@ impl Counters {
 
     pub fn bump(counter: &AtomicU64) {
         counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PoolStats;
+
+    fn sample() -> PoolStats {
+        PoolStats {
+            reserved_current: 3 << 20,
+            reserved_high: 5 << 20,
+            used_current: 1 << 20,
+            allocs: 7,
+            remaps: 2,
+            ooms: 1,
+            ..PoolStats::default()
+        }
+    }
+
+    #[test]
+    fn display_is_one_line_with_the_figures() {
+        let s = sample().to_string();
+        assert!(!s.contains('\n'), "{s}");
+        for part in [
+            "reserved 3.0 MiB (high 5.0)",
+            "used 1.0 MiB",
+            "7 allocs",
+            "2 remaps",
+            "1 out-of-memory",
+        ] {
+            assert!(s.contains(part), "{part:?} missing in {s}");
+        }
+    }
+
+    #[cfg(feature = "serde")]
+    #[test]
+    fn serde_round_trip_keeps_every_field() {
+        let stats = sample();
+        let json = serde_json::to_string(&stats).unwrap();
+        assert!(json.contains("\"reserved_high\":5242880"), "{json}");
+        let back: PoolStats = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, stats);
     }
 }

@@ -11,7 +11,8 @@
 use criterion::{criterion_group, criterion_main, Criterion};
 use std::sync::Arc;
 use tidepool::MemPool;
-use tidepool_benches::benchutil::{self as bu, BenchAlloc, BenchStreams, Meas};
+mod benchutil;
+use benchutil::{self as bu, BenchAlloc, BenchStreams, Meas};
 use tidepool_sys::{Device, DevicePtr, Stream};
 
 const SIZE: usize = 64 << 10;
@@ -87,11 +88,15 @@ fn run(g: &mut bu::Group<'_>, backend: &str, name: &str, streams: &BenchStreams,
     eprintln!(
         "cross_stream {backend}/{name}: {frac:.3} of B's allocations got A's just-freed block"
     );
-    bu::Summary::append_line(&format!(
-        "{{\"note\":\"cross_stream_reuse\",\"backend\":{},\"allocator\":{},\"reused\":{frac:.4}}}",
-        bu::json_str(backend),
-        bu::json_str(name)
-    ));
+    bu::Summary::append_line(
+        &serde_json::json!({
+            "note": "cross_stream_reuse",
+            "backend": backend,
+            "allocator": name,
+            "reused": (frac * 1e4).round() / 1e4,
+        })
+        .to_string(),
+    );
     streams.device.synchronize_stream(a).expect("sync");
     streams.device.synchronize_stream(b).expect("sync");
 }

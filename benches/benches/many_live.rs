@@ -7,7 +7,8 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use std::hint::black_box;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tidepool_benches::benchutil::{self as bu, BenchAlloc, BenchStreams, Meas};
+mod benchutil;
+use benchutil::{self as bu, BenchAlloc, BenchStreams, Meas};
 use tidepool_sys::Device;
 
 const COUNT: usize = 10_000;

@@ -1,4 +1,4 @@
-//! Overlap (seed 003): a long kernel (`spin`, 50 ms) runs on a
+//! Overlap: a long kernel (`spin`, 50 ms) runs on a
 //! low-priority stream while a high-priority stream runs short iterations:
 //! allocate 64 KiB, fill it (a memset-like kernel), compute (`spin` 10 µs),
 //! free, and wait for the high stream. A new long kernel is launched
@@ -11,7 +11,8 @@
 use criterion::{criterion_group, criterion_main, Criterion};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tidepool_benches::benchutil::{self as bu, BenchAlloc, Meas};
+mod benchutil;
+use benchutil::{self as bu, BenchAlloc, Meas};
 use tidepool_kernels::TagKernels;
 use tidepool_sys::{Device, Stream};
 

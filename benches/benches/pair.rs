@@ -6,7 +6,8 @@
 use criterion::{criterion_group, criterion_main, Criterion};
 use std::hint::black_box;
 use std::sync::Arc;
-use tidepool_benches::benchutil::{self as bu, BenchAlloc, BenchStreams, Meas};
+mod benchutil;
+use benchutil::{self as bu, BenchAlloc, BenchStreams, Meas};
 use tidepool_sys::Device;
 
 const SIZES: [usize; 6] = [256, 64 << 10, 2 << 20, 16 << 20, 256 << 20, 1 << 30];

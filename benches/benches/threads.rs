@@ -11,7 +11,8 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use std::hint::black_box;
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
-use tidepool_benches::benchutil::{self as bu, BenchAlloc, BenchStreams, Meas};
+mod benchutil;
+use benchutil::{self as bu, BenchAlloc, BenchStreams, Meas};
 use tidepool_sys::Device;
 
 const THREADS: [usize; 5] = [1, 2, 4, 8, 16];

@@ -9,7 +9,8 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
-use tidepool_benches::benchutil::{self as bu, Meas};
+mod benchutil;
+use benchutil::{self as bu, Meas};
 use tidepool_benches::replay::allocators::DriverPoolAlloc;
 use tidepool_benches::replay::tidepool_alloc::TidepoolAlloc;
 use tidepool_benches::replay::{PassOptions, ReplayAllocator, Replayer, Trace};
@@ -56,12 +57,16 @@ fn replay<A: ReplayAllocator>(g: &mut bu::Group<'_>, backend: &str, trace: &Trac
         }
         wall
     });
-    bu::Summary::append_line(&format!(
-        "{{\"note\":\"trace_reserved_over_live\",\"backend\":{},\"allocator\":{},\"param\":{},\"warm_ratio\":{ratio:.4}}}",
-        bu::json_str(backend),
-        bu::json_str(name),
-        bu::json_str(&trace.name)
-    ));
+    bu::Summary::append_line(
+        &serde_json::json!({
+            "note": "trace_reserved_over_live",
+            "backend": backend,
+            "allocator": name,
+            "param": trace.name,
+            "warm_ratio": (ratio * 1e4).round() / 1e4,
+        })
+        .to_string(),
+    );
 }
 
 fn benches(c: &mut Criterion) {

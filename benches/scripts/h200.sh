@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One H200 session of tidepool's GPU evidence, run from the repository root
-# on the GPU machine after `bash ../shared/scripts/stage-gpu.sh` staged .gpu/
-# here. Writes at most 8 summary files into $OUT.
+# tidepool's GPU evidence in one go, run from the repository root on the GPU
+# machine after `bash benches/scripts/stage-gpu.sh` staged .gpu/ on the build
+# machine (see docs/gpu.md). Writes at most 8 summary files into $OUT.
 #   bash benches/scripts/h200.sh evidence   # = tests replay soak memcheck
 #   bash benches/scripts/h200.sh benches    # criterion benches, quick mode
 #   bash benches/scripts/h200.sh tests replay soak   # any list of parts

@@ -2,9 +2,8 @@
 //!
 //! [`replay`] holds everything the replay binary, its tests and the
 //! benchmarks share: trace parsing, the allocator abstraction and replay
-//! loop, the allocators themselves, reports and plots. [`benchutil`] holds
-//! the criterion benches' shared helpers (quick mode, summary file, device
-//! setup and skipping, the allocators under test).
+//! loop, the allocators themselves, reports and plots. The criterion
+//! benches' own helpers live beside them (`benches/benchutil/mod.rs`), so
+//! that building the replayer does not build criterion.
 
-pub mod benchutil;
 pub mod replay;

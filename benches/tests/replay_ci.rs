@@ -1,4 +1,4 @@
-//! CI gate of the replay target (DESIGN §5): both GPT-2 traces replayed
+//! CI gate of the replay memory target: both GPT-2 traces replayed
 //! through tidepool on the host backend (gpt2-fixed fresh and warm,
 //! gpt2-varlen over three passes) must reach peak reserved / peak live
 //! <= 1.02 on every pass with no out-of-memory.

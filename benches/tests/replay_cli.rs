@@ -4,11 +4,13 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-/// The package directory at run time (the GPU runner sets the variable).
+/// The package directory, found at run time: `CARGO_MANIFEST_DIR` (cargo
+/// and the GPU staging runner set it when they run a test), else the
+/// current directory (both run tests from the package directory).
 fn manifest_dir() -> PathBuf {
-    std::env::var("CARGO_MANIFEST_DIR")
-        .unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").into())
-        .into()
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."))
 }
 
 fn trace(name: &str) -> PathBuf {
@@ -162,4 +164,171 @@ fn baselines_need_the_cuda_backend() {
         t.to_str().unwrap(),
     ]);
     assert_clean_failure(&o, 2, "needs the cuda backend");
+}
+
+/// A temporary file with `content`, named `tidepool-replay-<tag>-<pid><ext>`.
+fn temp_file(tag: &str, ext: &str, content: &[u8]) -> PathBuf {
+    let p = std::env::temp_dir().join(format!("tidepool-replay-{tag}-{}{ext}", std::process::id()));
+    std::fs::write(&p, content).unwrap();
+    p
+}
+
+fn gzip(data: &[u8]) -> Vec<u8> {
+    use std::io::Write;
+    let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    e.write_all(data).unwrap();
+    e.finish().unwrap()
+}
+
+#[test]
+fn empty_and_header_only_traces_exit_2() {
+    let cases: [(&str, &str, Vec<u8>); 4] = [
+        ("empty", ".csv", Vec::new()),
+        ("empty-gz-name", ".csv.gz", Vec::new()),
+        ("header", ".csv", b"op,id,size,stream\n".to_vec()),
+        (
+            "header-gz",
+            ".csv.gz",
+            gzip(b"op,id,size,stream\n# nothing else\n"),
+        ),
+    ];
+    for (tag, ext, content) in cases {
+        let p = temp_file(tag, ext, &content);
+        let o = run(&[
+            "--backend",
+            "host",
+            "--allocator",
+            "ideal",
+            p.to_str().unwrap(),
+        ]);
+        assert_clean_failure(&o, 2, "holds no operation");
+        assert!(o.stdout.is_empty(), "{tag}: a table was printed");
+        let _ = std::fs::remove_file(p);
+    }
+}
+
+#[test]
+fn max_ops_zero_exits_2() {
+    let t = trace("gpt2-fixed.csv.gz");
+    let o = run(&["--backend", "host", "--max-ops", "0", t.to_str().unwrap()]);
+    assert_clean_failure(&o, 2, "--max-ops");
+}
+
+#[test]
+fn capacity_zero_exits_2() {
+    let t = trace("gpt2-fixed.csv.gz");
+    let o = run(&["--backend", "host", "--capacity", "0", t.to_str().unwrap()]);
+    assert_clean_failure(&o, 2, "more than 0 bytes");
+}
+
+#[test]
+fn capacity_below_the_peak_exits_2_before_replaying() {
+    // Peak live 6 MiB; a 5 MiB host device cannot hold it.
+    let p = temp_file(
+        "cap",
+        ".csv",
+        b"a,0,3145728,0\na,1,3145728,0\nf,0,0,0\nf,1,0,0\n",
+    );
+    let o = run(&["--backend", "host", "--capacity", "5M", p.to_str().unwrap()]);
+    assert_clean_failure(&o, 2, "below the peak live bytes");
+    assert!(stderr(&o).contains("--allow-oom"), "{}", stderr(&o));
+    assert!(o.stdout.is_empty(), "nothing may be replayed");
+    let _ = std::fs::remove_file(p);
+}
+
+#[test]
+fn out_of_memory_during_the_replay_exits_3_unless_allowed() {
+    // Peak live 6 MiB + 2 bytes fits a 7 MiB device, but each allocation
+    // takes two 2 MiB pages of the host device: the second one fails.
+    let p = temp_file(
+        "oom",
+        ".csv",
+        b"a,0,3145729,0\na,1,3145729,0\nf,0,0,0\nf,1,0,0\n",
+    );
+    let path = p.to_str().unwrap();
+    let o = run(&["--backend", "host", "--capacity", "7M", path]);
+    assert_clean_failure(&o, 3, "out-of-memory");
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(
+        out.contains("INVALID"),
+        "the table must mark the pass: {out}"
+    );
+
+    let o = run(&["--backend", "host", "--capacity", "7M", "--allow-oom", path]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).contains("warning"), "{}", stderr(&o));
+    let o = run(&[
+        "--backend",
+        "host",
+        "--capacity",
+        "7M",
+        "--allow-oom",
+        "--json",
+        path,
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let line = String::from_utf8(o.stdout).unwrap();
+    let v: serde_json::Value = serde_json::from_str(line.trim()).unwrap();
+    assert_eq!(v["valid"], false, "{line}");
+    assert!(v["ooms"].as_u64().unwrap() >= 1, "{line}");
+    let _ = std::fs::remove_file(p);
+}
+
+#[test]
+fn plot_paths_are_checked_before_replaying() {
+    let t = trace("gpt2-fixed.csv.gz");
+    let t = t.to_str().unwrap();
+    let missing = std::env::temp_dir()
+        .join(format!("tidepool-no-such-dir-{}", std::process::id()))
+        .join("x.svg");
+    let o = run(&["--backend", "host", "--plot", missing.to_str().unwrap(), t]);
+    assert_clean_failure(&o, 2, "does not exist");
+    assert!(o.stdout.is_empty(), "nothing may be replayed");
+    // The directory's name appears once, not in a doubled message.
+    assert_eq!(stderr(&o).matches("tidepool-replay: error").count(), 1);
+
+    let png = std::env::temp_dir().join(format!("tidepool-{}.png", std::process::id()));
+    let o = run(&["--backend", "host", "--plot", png.to_str().unwrap(), t]);
+    assert_clean_failure(&o, 2, "SVG only");
+    assert!(!png.exists(), "no file may be written under a .png name");
+}
+
+#[test]
+fn rust_log_shows_the_pools_events() {
+    let p = temp_file("log", ".csv", b"a,0,4096,0\nf,0,0,0\n");
+    let o = Command::new(replay_bin())
+        .args(["--backend", "host", "--allocator", "tidepool"])
+        .arg(&p)
+        .env("RUST_LOG", "tidepool=debug")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("pool created"), "{}", stderr(&o));
+    // Without RUST_LOG only warnings and errors are printed.
+    let o = Command::new(replay_bin())
+        .args(["--backend", "host", "--allocator", "tidepool"])
+        .arg(&p)
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!stderr(&o).contains("pool created"), "{}", stderr(&o));
+    let _ = std::fs::remove_file(p);
+}
+
+#[test]
+fn help_explains_columns_trace_format_and_exit_codes() {
+    let o = run(&["--help"]);
+    assert!(o.status.success());
+    let help = String::from_utf8(o.stdout).unwrap();
+    for needle in [
+        "TRACE FORMAT",
+        "a,ID,SIZE,STREAM",
+        "peak reserved MiB",
+        "ratio",
+        "EXIT STATUS",
+        "--allow-oom",
+    ] {
+        assert!(help.contains(needle), "{needle} missing from --help");
+    }
 }

@@ -15,6 +15,24 @@ fn parse(text: &str) -> Result<Trace, TraceError> {
     Trace::parse(text.as_bytes(), Path::new("test.csv"), None)
 }
 
+/// The shipped traces, found at run time: `$CARGO_MANIFEST_DIR/traces`
+/// (cargo and the GPU staging runner set the variable when they run a
+/// test), else `traces/` of the current directory (both run tests from the
+/// package directory). No path from the build machine is compiled in.
+fn traces_dir() -> PathBuf {
+    let dir = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."))
+        .join("traces");
+    assert!(
+        dir.join("gpt2-fixed.csv.gz").exists(),
+        "the shipped traces are not in {}: run the test from the benches \
+         directory or set CARGO_MANIFEST_DIR to it",
+        dir.display()
+    );
+    dir
+}
+
 fn tmp(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("tidepool-replay-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -67,7 +85,7 @@ fn plain_and_gzip_files_parse_the_same() {
 
 #[test]
 fn the_shipped_traces_parse_with_their_documented_peaks() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("traces");
+    let dir = traces_dir();
     let fixed = Trace::load(&dir.join("gpt2-fixed.csv.gz"), None).unwrap();
     assert_eq!(fixed.ops.len(), 86_400);
     assert_eq!(fixed.allocs, 43_437);
@@ -191,9 +209,53 @@ fn passes_start_from_the_same_live_set_and_report_their_own_peak() {
     assert_eq!(ops, vec![0, 2, 4, 5]);
     let reserved: Vec<u64> = a.samples.iter().map(|s| s.reserved_bytes).collect();
     assert_eq!(reserved, vec![0, 384, 320, 64]);
+    // Each sample's high-water mark covers the operations since the
+    // previous sample: 128 + 256 after op 2, still 384 until op 4.
+    let highs: Vec<u64> = a.samples.iter().map(|s| s.reserved_high_bytes).collect();
+    assert_eq!(highs, vec![0, 384, 384, 320]);
     assert_eq!(a.samples, b.samples);
     // Everything freed after each pass; one synchronize per pass.
     assert_eq!(r.allocator.reserved_now().unwrap(), 0);
     assert_eq!(r.allocator.calls.2, 2);
     assert_eq!(r.allocator.max_stream, 1);
+}
+
+#[test]
+fn the_plot_envelope_reaches_the_peaks_the_title_states() {
+    use tidepool_benches::replay::session::{self, AllocatorKind, SessionOptions};
+    // A spike that lasts one operation, far shorter than a plot bucket.
+    let mut text = String::from("op,id,size,stream\n");
+    for i in 0..1000u64 {
+        text.push_str(&format!("a,{i},1000,0\n"));
+        if i == 500 {
+            text.push_str("a,9999,1000000,0\nf,9999,0,0\n");
+        }
+        text.push_str(&format!("f,{i},0,0\n"));
+    }
+    let t = parse(&text).unwrap();
+    assert_eq!(t.peak_live_bytes, 1_001_000);
+    let opts = SessionOptions {
+        samples_per_pass: 50,
+        passes: 2,
+        ..SessionOptions::default()
+    };
+    let recs = session::replay(&t, AllocatorKind::Ideal, &opts, &mut |_| {}, &mut |_| {}).unwrap();
+    let panel = session::panel(&t, &recs);
+    let max = |pts: &[(f64, f64)]| pts.iter().map(|p| p.1).fold(0.0, f64::max);
+    assert_eq!(max(&panel.live.points), t.peak_live_bytes as f64);
+    assert_eq!(panel.reserved.len(), 1);
+    assert_eq!(
+        max(&panel.reserved[0].points),
+        recs[0].result.peak_reserved_bytes as f64
+    );
+    assert_eq!(recs[0].result.peak_reserved_bytes, 1_001_000);
+    // Both passes are drawn, one after the other, and every point is in
+    // time order.
+    let last_x = panel.live.points.last().unwrap().0;
+    assert_eq!(last_x, 2.0 * t.ops.len() as f64);
+    for s in std::iter::once(&panel.live).chain(&panel.reserved) {
+        assert!(s.points.windows(2).all(|w| w[0].0 <= w[1].0), "{}", s.label);
+    }
+    assert!(panel.title.contains("peak live 1.0 MiB"), "{}", panel.title);
+    assert!(panel.title.contains("ideal 1.0"), "{}", panel.title);
 }

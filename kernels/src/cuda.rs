@@ -5,8 +5,9 @@
 //! [`compile_tag_kernels`]); each [`CudaKernels`] loads it into its device
 //! as a module. The mismatch counter is 8 bytes at the start of one granule
 //! of the device's own VMM memory (reserve_va + create_physical + map +
-//! set_access through the [`Device`] trait), so it needs nothing beyond the
-//! device trait and works on any device the pool can map.
+//! set_access through the [`Device`](tidepool_sys::Device) trait), so it
+//! needs nothing beyond the device trait and works on any device the pool
+//! can map.
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;

@@ -6,7 +6,7 @@
 //! destroyed handle is detected (an error, not a crash) and an id is never
 //! issued twice, even when the driver reuses a destroyed stream's pointer.
 
-use crate::error::SysResult;
+use crate::error::{SysError, SysResult};
 use std::os::fd::OwnedFd;
 
 /// A device virtual address.
@@ -43,6 +43,21 @@ handle!(
     /// A piece of physical memory (a VMM allocation handle / a memfd).
     Physical
 );
+handle!(
+    /// An interprocess event: like [`Event`], but it can be handed to
+    /// another process ([`Device::create_ipc_event`]) and opened there.
+    IpcEvent
+);
+
+/// What another process needs to open an interprocess event: opaque bytes
+/// (the CUDA backend's `CUipcEventHandle`) and, on the host backend, a file
+/// descriptor of the shared counters. Send both, e.g. with
+/// [`crate::ipc::send_message`].
+#[derive(Debug)]
+pub struct IpcEventHandle {
+    pub bytes: Vec<u8>,
+    pub fd: Option<OwnedFd>,
+}
 
 /// Free and total device memory, in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -156,4 +171,85 @@ pub trait Device: Send + Sync + 'static {
     /// Run `task` on the host once the stream's earlier work is done; later
     /// work on the stream waits for it.
     fn launch_host(&self, stream: Stream, task: HostTask) -> SysResult<()>;
+
+    // --- peers and interprocess sharing ---
+    //
+    // The default bodies describe one device with no peers and no
+    // interprocess events, so a backend that shares nothing need not
+    // implement them.
+
+    /// Number of devices the backend can see (ordinals `0..count`).
+    fn device_count(&self) -> SysResult<i32> {
+        Ok(1)
+    }
+    /// Whether device `peer` can be given access to this device's memory
+    /// (`cuDeviceCanAccessPeer`). True for this device itself; an ordinal
+    /// that does not exist is [`SysError::InvalidArgument`].
+    fn can_access_peer(&self, peer: i32) -> SysResult<bool> {
+        if peer == self.ordinal() {
+            return Ok(true);
+        }
+        Err(crate::validate::invalid(
+            crate::error::Op::PeerAccess,
+            format!(
+                "device {peer} does not exist (this backend has only device {})",
+                self.ordinal()
+            ),
+        ))
+    }
+    /// The access `device` has to the mapped address `ptr`, as the driver
+    /// (or the backend's own table) reports it (`cuMemGetAccess`).
+    fn get_access(&self, ptr: DevicePtr, device: i32) -> SysResult<Access> {
+        let _ = (ptr, device);
+        Err(SysError::Unsupported {
+            op: crate::error::Op::GetAccess,
+            reason: format!(
+                "the {} backend cannot read access back",
+                self.backend_name()
+            ),
+        })
+    }
+    /// Create an event that another process can open, and the handle to
+    /// send it there.
+    fn create_ipc_event(&self) -> SysResult<(IpcEvent, IpcEventHandle)> {
+        Err(no_ipc_events(self.backend_name()))
+    }
+    /// Open an interprocess event created by another process.
+    fn open_ipc_event(&self, handle: IpcEventHandle) -> SysResult<IpcEvent> {
+        let _ = handle;
+        Err(no_ipc_events(self.backend_name()))
+    }
+    /// Record an interprocess event at the current end of the stream's work.
+    fn record_ipc_event(&self, event: IpcEvent, stream: Stream) -> SysResult<()> {
+        let _ = (event, stream);
+        Err(no_ipc_events(self.backend_name()))
+    }
+    /// Whether the work before the last record (in any process) is done.
+    fn query_ipc_event(&self, event: IpcEvent) -> SysResult<bool> {
+        let _ = event;
+        Err(no_ipc_events(self.backend_name()))
+    }
+    /// Block the calling thread until the work before the last record is done.
+    fn synchronize_ipc_event(&self, event: IpcEvent) -> SysResult<()> {
+        let _ = event;
+        Err(no_ipc_events(self.backend_name()))
+    }
+    /// Make later work on `stream` wait for the interprocess event's last
+    /// record (a no-op if it was never recorded).
+    fn wait_ipc_event(&self, stream: Stream, event: IpcEvent) -> SysResult<()> {
+        let _ = (stream, event);
+        Err(no_ipc_events(self.backend_name()))
+    }
+    /// Destroy (or close, in an importing process) an interprocess event.
+    fn destroy_ipc_event(&self, event: IpcEvent) -> SysResult<()> {
+        let _ = event;
+        Err(no_ipc_events(self.backend_name()))
+    }
+}
+
+fn no_ipc_events(backend: &str) -> SysError {
+    SysError::Unsupported {
+        op: crate::error::Op::Ipc,
+        reason: format!("the {backend} backend has no interprocess events"),
+    }
 }

@@ -34,6 +34,9 @@ pub enum Op {
     DestroyEvent,
     WaitEvent,
     LaunchHost,
+    GetAccess,
+    PeerAccess,
+    Ipc,
 }
 
 impl Op {
@@ -65,6 +68,9 @@ impl Op {
         Op::DestroyEvent,
         Op::WaitEvent,
         Op::LaunchHost,
+        Op::GetAccess,
+        Op::PeerAccess,
+        Op::Ipc,
     ];
 
     /// A short, stable name ("map", "create_physical", ...).
@@ -96,6 +102,9 @@ impl Op {
             Op::DestroyEvent => "destroy_event",
             Op::WaitEvent => "wait_event",
             Op::LaunchHost => "launch_host",
+            Op::GetAccess => "get_access",
+            Op::PeerAccess => "peer_access",
+            Op::Ipc => "ipc",
         }
     }
 }

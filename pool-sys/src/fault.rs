@@ -235,4 +235,56 @@ impl<D: Device> Device for FaultInjector<D> {
         self.check(Op::LaunchHost)?;
         self.inner.launch_host(stream, task)
     }
+
+    // --- sharing: forwarded; failures through the ops they report ---
+
+    fn device_count(&self) -> SysResult<i32> {
+        self.check(Op::PeerAccess)?;
+        self.inner.device_count()
+    }
+
+    fn can_access_peer(&self, peer: i32) -> SysResult<bool> {
+        self.check(Op::PeerAccess)?;
+        self.inner.can_access_peer(peer)
+    }
+
+    fn get_access(&self, ptr: DevicePtr, device: i32) -> SysResult<crate::Access> {
+        self.check(Op::GetAccess)?;
+        self.inner.get_access(ptr, device)
+    }
+
+    fn create_ipc_event(&self) -> SysResult<(crate::IpcEvent, crate::IpcEventHandle)> {
+        self.check(Op::Ipc)?;
+        self.inner.create_ipc_event()
+    }
+
+    fn open_ipc_event(&self, handle: crate::IpcEventHandle) -> SysResult<crate::IpcEvent> {
+        self.check(Op::Ipc)?;
+        self.inner.open_ipc_event(handle)
+    }
+
+    fn record_ipc_event(&self, event: crate::IpcEvent, stream: Stream) -> SysResult<()> {
+        self.check(Op::RecordEvent)?;
+        self.inner.record_ipc_event(event, stream)
+    }
+
+    fn query_ipc_event(&self, event: crate::IpcEvent) -> SysResult<bool> {
+        self.check(Op::QueryEvent)?;
+        self.inner.query_ipc_event(event)
+    }
+
+    fn synchronize_ipc_event(&self, event: crate::IpcEvent) -> SysResult<()> {
+        self.check(Op::SynchronizeEvent)?;
+        self.inner.synchronize_ipc_event(event)
+    }
+
+    fn wait_ipc_event(&self, stream: Stream, event: crate::IpcEvent) -> SysResult<()> {
+        self.check(Op::WaitEvent)?;
+        self.inner.wait_ipc_event(stream, event)
+    }
+
+    fn destroy_ipc_event(&self, event: crate::IpcEvent) -> SysResult<()> {
+        self.check(Op::DestroyEvent)?;
+        self.inner.destroy_ipc_event(event)
+    }
 }

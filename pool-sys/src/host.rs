@@ -48,6 +48,8 @@ use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Once, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::thread::JoinHandle;
 
+mod share;
+
 /// One process-wide counter for every id the host backend issues (streams,
 /// events, physical handles), so that no id is ever issued twice, even across
 /// devices and after a destroy.
@@ -1157,6 +1159,40 @@ impl Device for HostDevice {
     fn launch_host(&self, stream: Stream, task: HostTask) -> SysResult<()> {
         self.stream(Op::LaunchHost, stream)?
             .enqueue(Op::LaunchHost, task)
+    }
+
+    // --- sharing (see `host/share.rs`) ---
+
+    fn get_access(&self, ptr: DevicePtr, device: i32) -> SysResult<Access> {
+        self.get_access_impl(ptr, device)
+    }
+
+    fn create_ipc_event(&self) -> SysResult<(crate::IpcEvent, crate::IpcEventHandle)> {
+        self.create_ipc_event_impl()
+    }
+
+    fn open_ipc_event(&self, handle: crate::IpcEventHandle) -> SysResult<crate::IpcEvent> {
+        self.open_ipc_event_impl(handle)
+    }
+
+    fn record_ipc_event(&self, event: crate::IpcEvent, stream: Stream) -> SysResult<()> {
+        self.record_ipc_event_impl(event, stream)
+    }
+
+    fn query_ipc_event(&self, event: crate::IpcEvent) -> SysResult<bool> {
+        self.query_ipc_event_impl(event)
+    }
+
+    fn synchronize_ipc_event(&self, event: crate::IpcEvent) -> SysResult<()> {
+        self.synchronize_ipc_event_impl(event)
+    }
+
+    fn wait_ipc_event(&self, stream: Stream, event: crate::IpcEvent) -> SysResult<()> {
+        self.wait_ipc_event_impl(stream, event)
+    }
+
+    fn destroy_ipc_event(&self, event: crate::IpcEvent) -> SysResult<()> {
+        self.destroy_ipc_event_impl(event)
     }
 }
 

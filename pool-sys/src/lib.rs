@@ -13,12 +13,13 @@ pub mod device;
 pub mod error;
 pub mod fault;
 pub mod host;
+pub mod ipc;
 mod recent;
 mod validate;
 
 pub use device::{
-    Access, AccessDesc, Device, DevicePtr, Event, HostTask, MemInfo, Physical, PhysicalOptions,
-    Stream,
+    Access, AccessDesc, Device, DevicePtr, Event, HostTask, IpcEvent, IpcEventHandle, MemInfo,
+    Physical, PhysicalOptions, Stream,
 };
 pub use error::{Op, SysError, SysResult};
 pub use fault::FaultInjector;

@@ -1,7 +1,8 @@
 //! `tidepool-replay`: replay allocation traces through tidepool (and, with
 //! `--compare`, the CUDA driver's pool and cuMemAlloc), and report peak
 //! live and reserved bytes, their ratio, out-of-memory count, ops/s and
-//! wall time. See `benches/traces/README.md` for the trace format.
+//! wall time. See `benches/traces/README.md` for the trace format and
+//! `--help` for the output columns and exit codes.
 
 use clap::Parser;
 use std::io::IsTerminal;
@@ -18,10 +19,45 @@ enum BackendArg {
     Cuda,
 }
 
+const AFTER_HELP: &str = "\
+TRACE FORMAT
+  CSV, plain or gzip (detected from the content): an optional header line
+  `op,id,size,stream`, then one line per operation: `a,ID,SIZE,STREAM`
+  allocates SIZE bytes under ID on STREAM, `f,ID,SIZE,STREAM` frees the
+  allocation live under ID on STREAM. Empty lines and lines starting with
+  `#` are skipped. Full description: benches/traces/README.md.
+
+OUTPUT (one row per trace, allocator and pass)
+  trace              the trace's file name without .csv/.gz
+  backend            host or cuda
+  allocator          tidepool, driver-pool, cuMemAlloc or ideal (* = see the
+                     note under the table)
+  pass               1 fresh (a new allocator); 2.. warm (the same allocator,
+                     every allocation of the previous pass freed)
+  ops                operations replayed
+  peak live MiB      highest sum of live allocation sizes the trace asks for
+  peak reserved MiB  the allocator's highest reserved memory during the pass
+  ratio              peak reserved / peak live (1.0 = no memory overhead);
+                     in parentheses when the pass had out-of-memory failures
+  OOMs               allocations that failed for lack of memory (skipped)
+  ops/s              operations per second of allocator calls
+  wall s             seconds spent in allocator calls
+  With --json, the same fields (and `valid`, `warm`, the allocator's own
+  counters) as one JSON object per line on stdout.
+
+EXIT STATUS
+  0 success; 1 the replay failed (a device error); 2 bad arguments or bad
+  input (nothing was replayed); 3 a pass had out-of-memory failures, so its
+  figures do not describe the trace (use --allow-oom to accept that).
+
+LOGGING
+  RUST_LOG=debug (or e.g. RUST_LOG=tidepool=trace) prints the pool's events
+  on stderr; see docs/logging.md.";
+
 /// Replay allocation traces (CSV `op,id,size,stream`, plain or .gz) through
 /// a stream-ordered allocator.
 #[derive(Debug, Parser)]
-#[command(name = "tidepool-replay", version)]
+#[command(name = "tidepool-replay", version, after_long_help = AFTER_HELP)]
 struct Args {
     /// Trace files (CSV `op,id,size,stream`, plain or gzip).
     #[arg(required = true)]
@@ -46,10 +82,18 @@ struct Args {
     passes: u32,
 
     /// Host backend capacity in bytes; suffixes K/M/G/T (powers of 1024).
-    #[arg(long, value_name = "BYTES", value_parser = session::parse_bytes)]
+    /// Must hold every trace's peak live bytes unless --allow-oom is given.
+    #[arg(long, value_name = "BYTES", value_parser = parse_capacity)]
     capacity: Option<usize>,
 
-    /// Write an SVG timeline of live and reserved bytes, one panel a trace.
+    /// Accept out-of-memory failures: report such passes (marked invalid)
+    /// and exit 0 instead of 3. For experiments with a tight --capacity.
+    #[arg(long)]
+    allow_oom: bool,
+
+    /// Write an SVG timeline of live and reserved bytes, one panel a trace
+    /// (each line an envelope: lowest and highest value of each run of
+    /// operations, so no peak is lost).
     #[arg(long, value_name = "FILE.svg")]
     plot: Option<PathBuf>,
 
@@ -57,9 +101,16 @@ struct Args {
     #[arg(long)]
     json: bool,
 
-    /// Replay only the first N operations of each trace.
-    #[arg(long, value_name = "N")]
-    max_ops: Option<usize>,
+    /// Replay only the first N operations of each trace (N >= 1).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    max_ops: Option<u64>,
+}
+
+fn parse_capacity(s: &str) -> Result<usize, String> {
+    match session::parse_bytes(s)? {
+        0 => Err("the capacity must be more than 0 bytes".into()),
+        n => Ok(n),
+    }
 }
 
 fn parse_allocator(s: &str) -> Result<AllocatorKind, String> {
@@ -70,8 +121,23 @@ fn parse_allocator(s: &str) -> Result<AllocatorKind, String> {
 const EXIT_USAGE: u8 = 2;
 /// Exit code of a failure while replaying (a device error).
 const EXIT_FAILURE: u8 = 1;
+/// Exit code of a run whose passes had out-of-memory failures.
+const EXIT_INVALID: u8 = 3;
+
+/// Events of the pool and the replayer on stderr, filtered by `RUST_LOG`
+/// (default: warnings and errors only).
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+}
 
 fn main() -> ExitCode {
+    init_logging();
     let args = Args::parse();
     match run(args) {
         Ok(()) => ExitCode::SUCCESS,
@@ -135,10 +201,32 @@ fn run(args: Args) -> Result<(), (u8, String)> {
         ));
     }
 
+    if let Some(path) = &args.plot {
+        plot::check_path(path).map_err(|e| (EXIT_USAGE, e))?;
+    }
+
     // Parse every trace before any timing.
+    let max_ops = args
+        .max_ops
+        .map(|n| usize::try_from(n).unwrap_or(usize::MAX));
     let mut traces = Vec::new();
     for path in &args.traces {
-        let t = Trace::load(path, args.max_ops).map_err(|e| (EXIT_USAGE, e.to_string()))?;
+        let t = Trace::load(path, max_ops).map_err(|e| (EXIT_USAGE, e.to_string()))?;
+        if let Some(capacity) = args.capacity {
+            if (capacity as u64) < t.peak_live_bytes && !args.allow_oom {
+                return Err((
+                    EXIT_USAGE,
+                    format!(
+                        "--capacity {capacity} bytes ({} MiB) is below the peak live bytes of \
+                         {} ({} MiB): allocations would fail and the figures would not \
+                         describe the trace; raise --capacity, or pass --allow-oom to run anyway",
+                        report::mib(capacity as u64),
+                        t.name,
+                        report::mib(t.peak_live_bytes)
+                    ),
+                ));
+            }
+        }
         if !args.json {
             eprintln!(
                 "{}: {} ops ({} allocations, {} distinct sizes, {} stream(s)), peak live {} MiB, \
@@ -231,6 +319,25 @@ fn run(args: Args) -> Result<(), (u8, String)> {
         plot::draw_svg(path, &panels).map_err(|e| (EXIT_FAILURE, e))?;
         if !json {
             eprintln!("plot written to {}", path.display());
+        }
+    }
+    let invalid = all.iter().filter(|r| !r.is_valid()).count();
+    if invalid > 0 {
+        let ooms: u64 = all.iter().map(|r| r.result.ooms).sum();
+        let msg = format!(
+            "{invalid} pass(es) had out-of-memory failures ({ooms} allocations skipped): their \
+             peak reserved and ratio do not describe the trace"
+        );
+        if args.allow_oom {
+            eprintln!("tidepool-replay: warning: {msg} (accepted: --allow-oom)");
+        } else {
+            return Err((
+                EXIT_INVALID,
+                format!(
+                    "{msg}; give the run more memory (--capacity on the host backend) or pass \
+                     --allow-oom to accept it"
+                ),
+            ));
         }
     }
     Ok(())

@@ -1,4 +1,8 @@
 //! SVG timelines of live and reserved bytes (plotters, SVG backend only).
+//!
+//! Each line is drawn through every point it is given; the panels built by
+//! [`super::session::panel`] hold envelopes (lowest and highest value of
+//! each run of operations), so short peaks stay visible.
 
 use plotters::prelude::*;
 use std::path::Path;
@@ -20,6 +24,49 @@ pub struct Panel {
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
+
+/// Check, before any replay, that an SVG plot can be written to `path`:
+/// the name ends in `.svg` (PNG is not built in, to keep the replayer's
+/// build light) and the directory exists. The message says what to do.
+pub fn check_path(path: &Path) -> Result<(), String> {
+    let ext = path
+        .extension()
+        .map(|e| e.to_string_lossy().to_ascii_lowercase());
+    match ext.as_deref() {
+        Some("svg") => {}
+        Some("png") => {
+            return Err(format!(
+                "--plot {}: the plot is written as SVG only; name it .svg and convert it if \
+                 you need a PNG (for example `rsvg-convert -o timeline.png timeline.svg`)",
+                path.display()
+            ))
+        }
+        _ => {
+            return Err(format!(
+                "--plot {}: the plot is an SVG file; give it a .svg extension",
+                path.display()
+            ))
+        }
+    }
+    if path.is_dir() {
+        return Err(format!(
+            "--plot {}: is a directory; name a .svg file",
+            path.display()
+        ));
+    }
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    if !dir.is_dir() {
+        return Err(format!(
+            "--plot {}: directory {} does not exist; create it first",
+            path.display(),
+            dir.display()
+        ));
+    }
+    Ok(())
+}
 
 /// Draw the panels, one above the other, into an SVG file.
 pub fn draw_svg(path: &Path, panels: &[Panel]) -> Result<(), String> {

@@ -1,6 +1,8 @@
 //! Formatting of replay results: one JSON object a line, or a table.
 
 use super::run::PassResult;
+use serde::Serialize;
+use std::collections::BTreeMap;
 use std::fmt::Write;
 
 /// One reported row: a pass of one allocator over one trace.
@@ -14,67 +16,61 @@ pub struct Record {
     pub note: Option<String>,
 }
 
-/// Escape a string for a JSON string literal.
-fn json_str(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", c as u32);
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
-}
-
-/// A finite float as JSON (non-finite values become `null`).
-fn json_f64(x: f64) -> String {
-    if x.is_finite() {
-        format!("{x}")
-    } else {
-        "null".into()
-    }
+/// The JSON form of a [`Record`]: field order as documented in the
+/// replayer's `--help`; the allocator's own counters follow `wall_s`.
+#[derive(Serialize)]
+struct JsonRecord<'a> {
+    trace: &'a str,
+    backend: &'a str,
+    allocator: &'a str,
+    pass: u32,
+    warm: bool,
+    ops: usize,
+    peak_live_bytes: u64,
+    peak_reserved_bytes: u64,
+    /// Non-finite values are written as `null` by serde_json.
+    ratio: f64,
+    ooms: u64,
+    valid: bool,
+    ops_per_sec: f64,
+    wall_s: f64,
+    #[serde(flatten)]
+    counters: BTreeMap<&'static str, u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    note: Option<&'a str>,
 }
 
 impl Record {
+    /// Whether the pass replayed the whole trace: no allocation failed for
+    /// lack of memory. A pass with out-of-memory failures skipped those
+    /// allocations, so its peak reserved bytes and ratio do not describe
+    /// the trace.
+    pub fn is_valid(&self) -> bool {
+        self.result.ooms == 0
+    }
+
     /// The record as one line of JSON (no trailing newline).
     pub fn to_json(&self) -> String {
         let r = &self.result;
-        let mut s = String::from("{");
-        let _ = write!(
-            s,
-            "\"trace\":{},\"backend\":{},\"allocator\":{},\"pass\":{},\"warm\":{},\"ops\":{},\
-             \"peak_live_bytes\":{},\"peak_reserved_bytes\":{},\"ratio\":{},\"ooms\":{},\
-             \"ops_per_sec\":{},\"wall_s\":{}",
-            json_str(&self.trace),
-            json_str(&self.backend),
-            json_str(&self.allocator),
-            r.pass,
-            r.pass > 1,
-            r.ops,
-            r.peak_live_bytes,
-            r.peak_reserved_bytes,
-            json_f64(r.ratio()),
-            r.ooms,
-            json_f64(r.ops_per_sec()),
-            json_f64(r.wall.as_secs_f64()),
-        );
-        for (name, value) in &r.counters {
-            let _ = write!(s, ",{}:{value}", json_str(name));
-        }
-        if let Some(note) = &self.note {
-            let _ = write!(s, ",\"note\":{}", json_str(note));
-        }
-        s.push('}');
-        s
+        let rec = JsonRecord {
+            trace: &self.trace,
+            backend: &self.backend,
+            allocator: &self.allocator,
+            pass: r.pass,
+            warm: r.pass > 1,
+            ops: r.ops,
+            peak_live_bytes: r.peak_live_bytes,
+            peak_reserved_bytes: r.peak_reserved_bytes,
+            ratio: r.ratio(),
+            ooms: r.ooms,
+            valid: self.is_valid(),
+            ops_per_sec: r.ops_per_sec(),
+            wall_s: r.wall.as_secs_f64(),
+            counters: r.counters.iter().copied().collect(),
+            note: self.note.as_deref(),
+        };
+        // Serialising plain numbers, strings and a string-keyed map cannot fail.
+        serde_json::to_string(&rec).unwrap_or_default()
     }
 }
 
@@ -128,7 +124,11 @@ pub fn table(records: &[Record]) -> String {
                 r.ops.to_string(),
                 mib(r.peak_live_bytes),
                 mib(r.peak_reserved_bytes),
-                format!("{:.4}", r.ratio()),
+                if rec.is_valid() {
+                    format!("{:.4}", r.ratio())
+                } else {
+                    format!("({:.4})", r.ratio())
+                },
                 r.ooms.to_string(),
                 rate(r.ops_per_sec()),
                 format!("{:.4}", r.wall.as_secs_f64()),
@@ -172,6 +172,14 @@ pub fn table(records: &[Record]) -> String {
     notes.dedup();
     for (alloc, note) in notes {
         let _ = writeln!(out, "* {alloc}: {note}");
+    }
+    for rec in records.iter().filter(|r| !r.is_valid()) {
+        let _ = writeln!(
+            out,
+            "INVALID: {} / {} pass {}: {} allocation(s) failed for lack of memory and were \
+             skipped, so its peak reserved and ratio (in parentheses) do not describe the trace",
+            rec.trace, rec.allocator, rec.result.pass, rec.result.ooms
+        );
     }
     out
 }

@@ -61,7 +61,13 @@ pub trait ReplayAllocator {
 pub struct Sample {
     /// Operations of this pass done when the sample was taken.
     pub op: usize,
+    /// Reserved bytes when the sample was taken.
     pub reserved_bytes: u64,
+    /// Highest reserved bytes since the previous sample (the allocator's
+    /// high-water mark, restarted at each sample), so that a plot of the
+    /// samples shows every peak, however short, and the highest of them is
+    /// the pass's peak reserved.
+    pub reserved_high_bytes: u64,
 }
 
 /// How to run one pass.
@@ -152,10 +158,16 @@ impl<'t, A: ReplayAllocator> Replayer<'t, A> {
             .min()
             .unwrap_or(ops.len().max(1));
         let mut samples = Vec::new();
+        // With sampling, the high-water mark restarts at every sample; the
+        // pass's peak is then the highest of the samples' marks.
+        let mut peak_reserved_bytes = 0u64;
         if opts.sample_every > 0 {
+            let now = self.allocator.reserved_now()?;
+            peak_reserved_bytes = now;
             samples.push(Sample {
                 op: 0,
-                reserved_bytes: self.allocator.reserved_now()?,
+                reserved_bytes: now,
+                reserved_high_bytes: now,
             });
         }
         let counters_before = self.allocator.counters();
@@ -193,10 +205,14 @@ impl<'t, A: ReplayAllocator> Replayer<'t, A> {
             wall += start.elapsed();
             done += chunk.len();
             if opts.sample_every > 0 && (done >= next_sample || done == ops.len()) {
+                let high = allocator.reserved_high()?;
+                peak_reserved_bytes = peak_reserved_bytes.max(high);
                 samples.push(Sample {
                     op: done,
                     reserved_bytes: allocator.reserved_now()?,
+                    reserved_high_bytes: high,
                 });
+                allocator.reset_high()?;
                 next_sample = done + opts.sample_every;
             }
             if opts.progress_every > 0 && (done >= next_progress || done == ops.len()) {
@@ -204,7 +220,7 @@ impl<'t, A: ReplayAllocator> Replayer<'t, A> {
                 next_progress = done + opts.progress_every;
             }
         }
-        let peak_reserved_bytes = allocator.reserved_high()?;
+        let peak_reserved_bytes = peak_reserved_bytes.max(allocator.reserved_high()?);
         let counters = allocator
             .counters()
             .into_iter()

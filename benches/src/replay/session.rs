@@ -3,7 +3,7 @@
 
 use super::allocators;
 use super::plot::{Panel, Series};
-use super::report::Record;
+use super::report::{self, Record};
 use super::run::{PassOptions, PassResult, ReplayAllocator, ReplayError, Replayer};
 use super::tidepool_alloc::TidepoolAlloc;
 use super::trace::Trace;
@@ -234,8 +234,15 @@ pub(crate) fn run_passes<A: ReplayAllocator>(
 }
 
 /// The plot panel of one trace from the records of its replays: the live
-/// bytes the trace asks for and each allocator's sampled reserved bytes,
-/// passes one after the other on the x axis.
+/// bytes the trace asks for and each allocator's reserved bytes, passes one
+/// after the other on the x axis.
+///
+/// Both lines are envelopes, so that no peak is lost between two points:
+/// live bytes are the lowest and highest value of each run of operations
+/// (computed from the trace, exact), reserved bytes are each sample's
+/// high-water mark (the highest value since the previous sample) followed
+/// by the value at the sample. The highest point of each line is therefore
+/// the peak the title states.
 pub fn panel(trace: &Trace, records: &[Record]) -> Panel {
     let n = trace.ops.len();
     let mut reserved = Vec::new();
@@ -247,31 +254,36 @@ pub fn panel(trace: &Trace, records: &[Record]) -> Panel {
             allocators.push(&r.allocator);
         }
     }
+    let mut peaks = Vec::new();
     for name in allocators {
         let mut points = Vec::new();
-        let mut pass_count = 0;
+        let mut peak = 0u64;
         for r in records.iter().filter(|r| r.allocator == name) {
             let base = (r.result.pass as usize - 1) * n;
-            points.extend(
-                r.result
-                    .samples
-                    .iter()
-                    .map(|s| ((base + s.op) as f64, s.reserved_bytes as f64)),
-            );
-            pass_count = pass_count.max(r.result.pass as usize);
+            peak = peak.max(r.result.peak_reserved_bytes);
+            let mut prev_op = 0usize;
+            for (k, s) in r.result.samples.iter().enumerate() {
+                if k > 0 && s.reserved_high_bytes != s.reserved_bytes {
+                    // The high-water mark, midway through its interval.
+                    let mid = (prev_op + s.op) as f64 / 2.0;
+                    points.push((base as f64 + mid, s.reserved_high_bytes as f64));
+                }
+                points.push(((base + s.op) as f64, s.reserved_bytes as f64));
+                prev_op = s.op;
+            }
             if passes_drawn < r.result.pass as usize {
-                // The live curve of this pass, at the same sample points.
-                let counts: Vec<usize> = r.result.samples.iter().map(|s| s.op).collect();
-                let live = trace.live_after(&counts);
+                // The live envelope of this pass, as fine as the samples.
+                let buckets = r.result.samples.len().saturating_sub(1).max(1);
                 live_points.extend(
-                    counts
-                        .iter()
-                        .zip(live)
-                        .map(|(&c, l)| ((base + c) as f64, l as f64)),
+                    trace
+                        .live_envelope(buckets)
+                        .into_iter()
+                        .map(|(op, live)| ((base + op) as f64, live as f64)),
                 );
                 passes_drawn = r.result.pass as usize;
             }
         }
+        peaks.push(format!("{name} {}", report::mib(peak)));
         reserved.push(Series {
             label: format!("{name} reserved"),
             points,
@@ -279,10 +291,11 @@ pub fn panel(trace: &Trace, records: &[Record]) -> Panel {
     }
     Panel {
         title: format!(
-            "{} ({} ops, peak live {:.0} MiB)",
+            "{} ({} ops): peak live {} MiB; peak reserved MiB: {}",
             trace.name,
             n,
-            trace.peak_live_bytes as f64 / (1u64 << 20) as f64
+            report::mib(trace.peak_live_bytes),
+            peaks.join(", ")
         ),
         live: Series {
             label: "live (trace)".into(),

@@ -53,6 +53,8 @@ pub struct Trace {
 pub enum TraceError {
     /// The file could not be opened or read.
     Io { path: PathBuf, source: io::Error },
+    /// The file holds no operation (empty, or a header and comments only).
+    Empty { path: PathBuf },
     /// A line is malformed or breaks the trace's rules.
     Parse {
         path: PathBuf,
@@ -70,6 +72,13 @@ impl fmt::Display for TraceError {
             TraceError::Io { path, source } => {
                 write!(f, "{}: cannot read trace: {source}", path.display())
             }
+            TraceError::Empty { path } => write!(
+                f,
+                "{}: the trace holds no operation (empty file, or a header only); a trace has \
+                 one line `a,ID,SIZE,STREAM` or `f,ID,SIZE,STREAM` per operation \
+                 (see benches/traces/README.md)",
+                path.display()
+            ),
             TraceError::Parse {
                 path,
                 line,
@@ -84,7 +93,7 @@ impl std::error::Error for TraceError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             TraceError::Io { source, .. } => Some(source),
-            TraceError::Parse { .. } => None,
+            TraceError::Parse { .. } | TraceError::Empty { .. } => None,
         }
     }
 }
@@ -94,7 +103,7 @@ impl TraceError {
     pub fn line(&self) -> Option<usize> {
         match self {
             TraceError::Parse { line, .. } => Some(*line),
-            TraceError::Io { .. } => None,
+            TraceError::Io { .. } | TraceError::Empty { .. } => None,
         }
     }
 }
@@ -112,7 +121,9 @@ pub fn trace_name(path: &Path) -> String {
 
 impl Trace {
     /// Load a trace file, plain CSV or gzip (detected by its magic bytes,
-    /// not its name). `max_ops` keeps only a prefix of the operations.
+    /// not its name). `max_ops` keeps only a prefix of the operations. A
+    /// file with no operation is an error ([`TraceError::Empty`]), and so is
+    /// `max_ops == Some(0)`.
     pub fn load(path: &Path, max_ops: Option<usize>) -> Result<Trace, TraceError> {
         let start = Instant::now();
         let io_err = |source| TraceError::Io {
@@ -130,6 +141,11 @@ impl Trace {
             Box::new(file)
         };
         let mut trace = Trace::parse(reader, path, max_ops)?;
+        if trace.ops.is_empty() {
+            return Err(TraceError::Empty {
+                path: path.to_path_buf(),
+            });
+        }
         trace.name = trace_name(path);
         trace.parse_time = start.elapsed();
         Ok(trace)
@@ -264,6 +280,48 @@ impl Trace {
             distinct_sizes: sizes.len(),
             parse_time: start.elapsed(),
         })
+    }
+
+    /// The envelope of live bytes over `buckets` equal runs of operations:
+    /// for each run, the lowest and the highest live byte count reached in
+    /// it and the count at its end, as `(operations done, live bytes)`
+    /// points in time order (coinciding points once). The first point is `(0, 0)`; the highest
+    /// point of all is the trace's peak live bytes, however short the peak.
+    pub fn live_envelope(&self, buckets: usize) -> Vec<(usize, u64)> {
+        let n = self.ops.len();
+        let per = n.div_ceil(buckets.max(1)).max(1);
+        let mut sizes = vec![0u64; self.slots];
+        let mut live = 0u64;
+        let mut out = vec![(0usize, 0u64)];
+        for (b, chunk) in self.ops.chunks(per).enumerate() {
+            // (ops done, live) at the bucket's lowest and highest points.
+            let mut lo = (usize::MAX, u64::MAX);
+            let mut hi = (0usize, 0u64);
+            for (i, op) in chunk.iter().enumerate() {
+                match *op {
+                    TraceOp::Alloc { slot, size, .. } => {
+                        sizes[slot as usize] = size as u64;
+                        live += size as u64;
+                    }
+                    TraceOp::Free { slot, .. } => live -= sizes[slot as usize],
+                }
+                let done = b * per + i + 1;
+                if live < lo.1 {
+                    lo = (done, live);
+                }
+                if live > hi.1 || hi.0 == 0 {
+                    hi = (done, live);
+                }
+            }
+            let (first, second) = if lo.0 <= hi.0 { (lo, hi) } else { (hi, lo) };
+            let last = (b * per + chunk.len(), live);
+            for p in [first, second, last] {
+                if out.last() != Some(&p) {
+                    out.push(p);
+                }
+            }
+        }
+        out
     }
 
     /// Live bytes after each of the given operation counts (sorted,

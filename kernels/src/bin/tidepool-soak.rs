@@ -1,10 +1,11 @@
 //! tidepool-soak: the stream-order stress harness as a long run, on the host
 //! backend or on a CUDA GPU.
 //!
-//! Prints one line of JSON (the [`StressReport`]) to stdout, and to
-//! `--out FILE` when given. Exit status: 0 when the run found no mismatch
-//! and no access fault, 1 when it found any, 2 when it could not run
-//! (bad arguments, no device, a failing pool or kernel call).
+//! Prints one line of JSON (the [`StressReport`] and the pool's statistics)
+//! to stdout, and to `--out FILE` when given. Exit status: 0 when the run
+//! found no mismatch and no access fault, 1 when it found any, 2 when it
+//! could not run (bad arguments, no device, a failing pool or kernel call).
+//! `RUST_LOG=debug` shows the pool's and the harness's events on stderr.
 //!
 //! ```text
 //! tidepool-soak --backend cuda --ops 1000000 --threads 8 --streams 16
@@ -18,86 +19,136 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tidepool::{MemPool, PoolConfig, ReusePolicy};
+use clap::Parser;
+use serde::Serialize;
+use tidepool::{MemPool, PoolConfig, PoolStats, ReusePolicy};
 use tidepool_kernels::stress::{
     all_on, policy_name, run_stress, standard_phases, StressConfig, StressReport,
 };
 use tidepool_kernels::{TagKernels, WithTagKernels};
 use tidepool_sys::{Device, Stream};
 
-const USAGE: &str = "\
-tidepool-soak: stream-order stress of the tidepool pool, verified by tag kernels
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum BackendArg {
+    Host,
+    Cuda,
+}
 
-USAGE: tidepool-soak [OPTIONS]
+const AFTER_HELP: &str = "\
+Sizes accept K, M, G suffixes (powers of 1024); counts accept 0x hex and _.
 
-  --backend host|cuda      device backend (default host)
-  --device N               CUDA device ordinal (default 0)
-  --ops N                  operations over all threads (default 100000)
-  --threads N              host threads (default 4)
-  --streams N              streams (default 8)
-  --min-size BYTES         smallest allocation (default 256)
-  --max-size BYTES         largest allocation (default 64M on cuda, 4M on host)
-  --max-live N             live allocations per thread (default 16)
-  --seed N                 seed (default 0x7D1E9001)
-  --trim-every N           trim every N operations, 0 = never (default 5000)
-  --sync-every N           synchronise every N operations, 0 = never (default 20000)
-  --release-threshold B    release threshold during the run (default 1G; 'keep' = pool's)
-  --max-pool BYTES         cap of the pool's physical memory (forces remapping,
-                           internal dependencies and out-of-memory retries)
-  --page-size BYTES        pool page size (default: device granularity)
-  --va-size BYTES          address space to reserve (default 64G cuda, 16G host)
-  --stream-cache BYTES     per-stream cache (default 256M)
-  --max-spin-us N          longest spin before a free (default 200)
-  --phases LIST            'standard' (all on, then each switch off; default),
-                           'all-on', or comma-separated names among all-on,
-                           no-follow, no-opportunistic, no-internal, no-wait-pending
-  --time-limit-s N         stop gracefully after N seconds
-  --host-capacity BYTES    host backend: device memory (default 8G)
-  --out FILE               also write the JSON line to FILE
-  --quiet                  no human-readable summary on stderr
+PHASES
+  'standard' runs all reuse switches on, then each switch off in turn;
+  'all-on' only that; or a comma-separated list among all-on, no-follow,
+  no-opportunistic, no-internal, no-wait-pending.
 
-Sizes accept K, M, G suffixes (powers of 1024). Exit status: 0 clean,
-1 mismatches or access faults, 2 could not run.";
+EXIT STATUS
+  0 clean; 1 mismatching words or access faults found; 2 could not run.
 
-/// The options that take a value.
-const KNOWN: &[&str] = &[
-    "--backend",
-    "--device",
-    "--ops",
-    "--threads",
-    "--streams",
-    "--min-size",
-    "--max-size",
-    "--max-live",
-    "--seed",
-    "--trim-every",
-    "--sync-every",
-    "--release-threshold",
-    "--max-pool",
-    "--page-size",
-    "--va-size",
-    "--stream-cache",
-    "--max-spin-us",
-    "--phases",
-    "--time-limit-s",
-    "--host-capacity",
-    "--out",
-];
+LOGGING
+  RUST_LOG=debug (or e.g. RUST_LOG=tidepool=trace) prints events on stderr;
+  see docs/logging.md.";
 
-#[derive(Debug)]
+/// Stream-order stress of the tidepool pool, verified by tag kernels: many
+/// threads allocate, fill, hand over between streams and free, and every
+/// word is checked.
+#[derive(Debug, Parser)]
+#[command(name = "tidepool-soak", version, after_long_help = AFTER_HELP)]
 struct Args {
-    backend: String,
+    /// Device backend.
+    #[arg(long, value_enum, default_value = "host")]
+    backend: BackendArg,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
     device: i32,
-    cfg: StressConfig,
-    max_size_set: bool,
-    streams: usize,
+    /// Operations over all threads.
+    #[arg(long, default_value = "100000", value_parser = parse_u64)]
+    ops: u64,
+    /// Host threads.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
+    threads: u64,
+    /// Streams.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..))]
+    streams: u64,
+    /// Smallest allocation in bytes.
+    #[arg(long, value_name = "BYTES", default_value = "256", value_parser = parse_size)]
+    min_size: u64,
+    /// Largest allocation in bytes [default: 64M on cuda, 4M on host].
+    #[arg(long, value_name = "BYTES", value_parser = parse_size)]
+    max_size: Option<u64>,
+    /// Live allocations per thread.
+    #[arg(long, default_value_t = 16)]
+    max_live: usize,
+    /// Seed of the pseudo-random operation sequence.
+    #[arg(long, default_value = "0x7D1E9001", value_parser = parse_u64)]
+    seed: u64,
+    /// Trim every N operations (0: never).
+    #[arg(long, value_name = "N", default_value = "5000", value_parser = parse_u64)]
+    trim_every: u64,
+    /// Synchronise every N operations (0: never).
+    #[arg(long, value_name = "N", default_value = "20000", value_parser = parse_u64)]
+    sync_every: u64,
+    /// Release threshold during the run, or 'keep' for the pool's own.
+    #[arg(long, value_name = "BYTES|keep", default_value = "1G", value_parser = parse_threshold)]
+    release_threshold: Threshold,
+    /// Cap of the pool's physical memory (forces remapping, internal
+    /// dependencies and out-of-memory retries).
+    #[arg(long, value_name = "BYTES", value_parser = parse_size)]
     max_pool: Option<u64>,
-    page_size: usize,
-    va_size: Option<usize>,
-    stream_cache: usize,
-    host_capacity: usize,
-    out: Option<String>,
+    /// Pool page size [default: the device's granularity].
+    #[arg(long, value_name = "BYTES", default_value = "0", value_parser = parse_size, hide_default_value = true)]
+    page_size: u64,
+    /// Address space to reserve [default: 64G on cuda, 16G on host].
+    #[arg(long, value_name = "BYTES", value_parser = parse_size)]
+    va_size: Option<u64>,
+    /// Per-stream cache.
+    #[arg(long, value_name = "BYTES", default_value = "256M", value_parser = parse_size)]
+    stream_cache: u64,
+    /// Longest spin before a free, in microseconds.
+    #[arg(long, value_name = "US", default_value = "200", value_parser = parse_u64)]
+    max_spin_us: u64,
+    /// Reuse-switch phases (see PHASES below).
+    #[arg(long, value_name = "LIST", default_value = "standard", value_parser = parse_phases)]
+    phases: Phases,
+    /// Stop gracefully after N seconds.
+    #[arg(long, value_name = "N", value_parser = parse_u64)]
+    time_limit_s: Option<u64>,
+    /// Host backend: device memory.
+    #[arg(long, value_name = "BYTES", default_value = "8G", value_parser = parse_size)]
+    host_capacity: u64,
+    /// Also write the JSON line to FILE.
+    #[arg(long, value_name = "FILE")]
+    out: Option<std::path::PathBuf>,
+    /// No human-readable summary on stderr.
+    #[arg(long)]
     quiet: bool,
+}
+
+/// `--release-threshold`: a byte count, or the pool's own setting.
+#[derive(Debug, Clone, Copy)]
+struct Threshold(Option<u64>);
+
+fn parse_threshold(s: &str) -> Result<Threshold, String> {
+    if s.trim() == "keep" {
+        Ok(Threshold(None))
+    } else {
+        parse_size(s).map(|n| Threshold(Some(n)))
+    }
+}
+
+/// `--phases`: the reuse policies, one per phase.
+#[derive(Debug, Clone)]
+struct Phases(Vec<ReusePolicy>);
+
+fn parse_phases(s: &str) -> Result<Phases, String> {
+    match s.trim() {
+        "standard" => Ok(Phases(standard_phases())),
+        list => list
+            .split(',')
+            .map(parse_policy)
+            .collect::<Result<_, _>>()
+            .map(Phases),
+    }
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -147,107 +198,108 @@ fn parse_policy(name: &str) -> Result<ReusePolicy, String> {
     })
 }
 
-fn parse_args(argv: Vec<String>) -> Result<Option<Args>, String> {
-    let mut a = Args {
-        backend: "host".into(),
-        device: 0,
-        cfg: StressConfig {
-            ops: 100_000,
-            threads: 4,
-            ..StressConfig::default()
-        },
-        max_size_set: false,
-        streams: 8,
-        max_pool: None,
-        page_size: 0,
-        va_size: None,
-        stream_cache: 256 << 20,
-        host_capacity: 8 << 30,
-        out: None,
-        quiet: false,
-    };
-    let mut it = argv.into_iter();
-    while let Some(flag) = it.next() {
-        if flag == "-h" || flag == "--help" {
-            return Ok(None);
-        }
-        if flag == "--quiet" {
-            a.quiet = true;
-            continue;
-        }
-        let (flag, inline) = match flag.split_once('=') {
-            Some((f, v)) => (f.to_string(), Some(v.to_string())),
-            None => (flag, None),
-        };
-        if !KNOWN.contains(&flag.as_str()) {
-            return Err(format!("unknown option {flag}"));
-        }
-        let value = match inline {
-            Some(v) => v,
-            None => it.next().ok_or_else(|| format!("{flag} needs a value"))?,
-        };
-        let v = value.as_str();
-        match flag.as_str() {
-            "--backend" => a.backend = v.to_string(),
-            "--device" => a.device = parse_u64(v)? as i32,
-            "--ops" => a.cfg.ops = parse_u64(v)?,
-            "--threads" => a.cfg.threads = parse_u64(v)? as usize,
-            "--streams" => a.streams = parse_u64(v)? as usize,
-            "--min-size" => a.cfg.min_size = parse_size(v)? as usize,
-            "--max-size" => {
-                a.cfg.max_size = parse_size(v)? as usize;
-                a.max_size_set = true;
-            }
-            "--max-live" => a.cfg.max_live_per_thread = parse_u64(v)? as usize,
-            "--seed" => a.cfg.seed = parse_u64(v)?,
-            "--trim-every" => a.cfg.trim_every = parse_u64(v)?,
-            "--sync-every" => a.cfg.sync_every = parse_u64(v)?,
-            "--release-threshold" => {
-                a.cfg.release_threshold = if v == "keep" {
-                    None
-                } else {
-                    Some(parse_size(v)?)
-                }
-            }
-            "--max-pool" => a.max_pool = Some(parse_size(v)?),
-            "--page-size" => a.page_size = parse_size(v)? as usize,
-            "--va-size" => a.va_size = Some(parse_size(v)? as usize),
-            "--stream-cache" => a.stream_cache = parse_size(v)? as usize,
-            "--max-spin-us" => a.cfg.max_spin_ns = parse_u64(v)?.saturating_mul(1000),
-            "--phases" => {
-                a.cfg.phases = match v {
-                    "standard" => standard_phases(),
-                    list => list
-                        .split(',')
-                        .map(parse_policy)
-                        .collect::<Result<_, _>>()?,
-                }
-            }
-            "--time-limit-s" => a.cfg.time_limit = Some(Duration::from_secs(parse_u64(v)?)),
-            "--host-capacity" => a.host_capacity = parse_size(v)? as usize,
-            "--out" => a.out = Some(v.to_string()),
-            other => return Err(format!("unknown option {other}")),
-        }
+/// The run's configuration from the arguments (the backend decides the
+/// default largest allocation).
+fn stress_config(a: &Args) -> StressConfig {
+    let max_size = a.max_size.unwrap_or(match a.backend {
+        BackendArg::Cuda => 64 << 20,
+        BackendArg::Host => 4 << 20,
+    });
+    StressConfig {
+        ops: a.ops,
+        threads: a.threads as usize,
+        min_size: a.min_size as usize,
+        max_size: max_size as usize,
+        max_live_per_thread: a.max_live,
+        seed: a.seed,
+        trim_every: a.trim_every,
+        sync_every: a.sync_every,
+        release_threshold: a.release_threshold.0,
+        max_spin_ns: a.max_spin_us.saturating_mul(1000),
+        phases: a.phases.0.clone(),
+        time_limit: a.time_limit_s.map(Duration::from_secs),
+        ..StressConfig::default()
     }
-    if !a.max_size_set && a.backend == "host" {
-        a.cfg.max_size = 4 << 20;
-    }
-    if a.streams == 0 {
-        return Err("--streams must be at least 1".into());
-    }
-    if let Some(cap) = a.max_pool {
-        if cap < a.cfg.max_size as u64 * 2 {
-            eprintln!(
-                "warning: --max-pool {cap} is less than twice --max-size {}: many allocations \
-                 will end in out-of-memory (counted, then retried)",
-                a.cfg.max_size
-            );
-        }
-    }
-    Ok(Some(a))
 }
 
-fn run_on<D: Device + WithTagKernels>(dev: Arc<D>, args: &Args) -> Result<StressReport, String> {
+/// The JSON line: the report's counters, then the pool's statistics.
+#[derive(Serialize)]
+struct JsonReport<'a> {
+    backend: &'a str,
+    passed: bool,
+    seed: u64,
+    threads: usize,
+    streams: usize,
+    ops: u64,
+    allocs: u64,
+    frees: u64,
+    cross_stream_frees: u64,
+    chains: u64,
+    declared_uses: u64,
+    waits: u64,
+    spins: u64,
+    verifies: u64,
+    ooms: u64,
+    trims: u64,
+    syncs: u64,
+    bytes_allocated: u64,
+    largest_alloc: u64,
+    phases: u64,
+    mismatches: u64,
+    access_faults: u64,
+    wall_s: f64,
+    stopped_early: bool,
+    pool: &'a PoolStats,
+}
+
+fn to_json(r: &StressReport) -> String {
+    let j = JsonReport {
+        backend: r.backend,
+        passed: r.passed(),
+        seed: r.seed,
+        threads: r.threads,
+        streams: r.streams,
+        ops: r.ops,
+        allocs: r.allocs,
+        frees: r.frees,
+        cross_stream_frees: r.cross_stream_frees,
+        chains: r.chains,
+        declared_uses: r.declared_uses,
+        waits: r.waits,
+        spins: r.spins,
+        verifies: r.verifies,
+        ooms: r.ooms,
+        trims: r.trims,
+        syncs: r.syncs,
+        bytes_allocated: r.bytes_allocated,
+        largest_alloc: r.largest_alloc,
+        phases: r.phases,
+        mismatches: r.mismatches,
+        access_faults: r.access_faults,
+        wall_s: r.wall.as_secs_f64(),
+        stopped_early: r.stopped_early,
+        pool: &r.stats,
+    };
+    // Plain numbers, strings and booleans: serialising cannot fail.
+    serde_json::to_string(&j).unwrap_or_default()
+}
+
+/// Events on stderr, filtered by `RUST_LOG` (default: warnings and errors).
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+}
+
+fn run_on<D: Device + WithTagKernels>(
+    dev: Arc<D>,
+    args: &Args,
+    cfg: &StressConfig,
+) -> Result<StressReport, String> {
     let kernels: Arc<dyn TagKernels> = dev
         .clone()
         .tag_kernels()
@@ -258,14 +310,14 @@ fn run_on<D: Device + WithTagKernels>(dev: Arc<D>, args: &Args) -> Result<Stress
         16 << 30
     };
     let mut config = PoolConfig::default()
-        .with_va_size(args.va_size.unwrap_or(default_va))
-        .with_page_size(args.page_size)
-        .with_stream_cache_bytes(args.stream_cache);
+        .with_va_size(args.va_size.map_or(default_va, |v| v as usize))
+        .with_page_size(args.page_size as usize)
+        .with_stream_cache_bytes(args.stream_cache as usize);
     if let Some(cap) = args.max_pool {
         config = config.with_max_size(cap);
     }
     let pool = MemPool::new(dev.clone(), config).map_err(|e| format!("creating the pool: {e}"))?;
-    let streams: Vec<Stream> = (0..args.streams)
+    let streams: Vec<Stream> = (0..args.streams as usize)
         .map(|_| dev.create_stream())
         .collect::<Result<_, _>>()
         .map_err(|e| format!("creating streams: {e}"))?;
@@ -273,23 +325,22 @@ fn run_on<D: Device + WithTagKernels>(dev: Arc<D>, args: &Args) -> Result<Stress
         eprintln!(
             "tidepool-soak: {} ops on {} ({} threads x {} streams, sizes {}..{} B, pool cap {}, \
              phases {})",
-            args.cfg.ops,
+            cfg.ops,
             dev.backend_name(),
-            args.cfg.threads,
+            cfg.threads,
             args.streams,
-            args.cfg.min_size,
-            args.cfg.max_size,
+            cfg.min_size,
+            cfg.max_size,
             args.max_pool
                 .map_or_else(|| "none".to_string(), |c| format!("{c} B")),
-            args.cfg
-                .phases
+            cfg.phases
                 .iter()
                 .map(policy_name)
                 .collect::<Vec<_>>()
                 .join(",")
         );
     }
-    let report = run_stress(&pool, &*kernels, &streams, &args.cfg).map_err(|e| e.to_string());
+    let report = run_stress(&pool, &*kernels, &streams, cfg).map_err(|e| e.to_string());
     drop(pool);
     for s in streams {
         if let Err(e) = dev.destroy_stream(s) {
@@ -300,39 +351,48 @@ fn run_on<D: Device + WithTagKernels>(dev: Arc<D>, args: &Args) -> Result<Stress
 }
 
 fn main() -> ExitCode {
-    let args = match parse_args(std::env::args().skip(1).collect()) {
-        Ok(Some(a)) => a,
-        Ok(None) => {
-            println!("{USAGE}");
-            return ExitCode::SUCCESS;
+    init_logging();
+    let args = Args::parse();
+    let cfg = stress_config(&args);
+    if cfg.min_size > cfg.max_size {
+        eprintln!(
+            "tidepool-soak: --min-size {} is above the largest allocation {}; lower it or raise \
+             --max-size",
+            cfg.min_size, cfg.max_size
+        );
+        return ExitCode::from(2);
+    }
+    if let Some(cap) = args.max_pool {
+        if cap < cfg.max_size as u64 * 2 {
+            eprintln!(
+                "tidepool-soak: warning: --max-pool {cap} is less than twice the largest \
+                 allocation {}: many allocations will end in out-of-memory (counted, then \
+                 retried)",
+                cfg.max_size
+            );
         }
-        Err(e) => {
-            eprintln!("tidepool-soak: {e}\n\n{USAGE}");
-            return ExitCode::from(2);
-        }
-    };
-    let report = match args.backend.as_str() {
-        "host" => {
+    }
+    let report = match args.backend {
+        BackendArg::Host => {
             let dev = Arc::new(tidepool_sys::host::HostDevice::with_config(
                 tidepool_sys::host::HostConfig {
-                    capacity: args.host_capacity,
+                    capacity: args.host_capacity as usize,
                     ..Default::default()
                 },
             ));
-            run_on(dev, &args)
+            run_on(dev, &args, &cfg)
         }
-        "cuda" => {
+        BackendArg::Cuda => {
             if !tidepool_sys::cuda::driver_available() {
                 let why = tidepool_sys::cuda::driver_unavailable_reason().unwrap_or_default();
                 eprintln!("tidepool-soak: no usable CUDA driver: {why}");
                 return ExitCode::from(2);
             }
             match tidepool_sys::cuda::CudaDevice::new(args.device) {
-                Ok(dev) => run_on(Arc::new(dev), &args),
+                Ok(dev) => run_on(Arc::new(dev), &args, &cfg),
                 Err(e) => Err(format!("opening CUDA device {}: {e}", args.device)),
             }
         }
-        other => Err(format!("unknown backend '{other}' (host or cuda)")),
     };
     let report = match report {
         Ok(r) => r,
@@ -341,11 +401,11 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let json = report.to_json();
+    let json = to_json(&report);
     println!("{json}");
     if let Some(path) = &args.out {
         if let Err(e) = std::fs::write(path, format!("{json}\n")) {
-            eprintln!("tidepool-soak: writing {path}: {e}");
+            eprintln!("tidepool-soak: writing {}: {e}", path.display());
             return ExitCode::from(2);
         }
     }

@@ -18,6 +18,7 @@
 pub mod baseline;
 mod driver;
 pub mod module;
+mod share;
 
 pub use baseline::{mem_alloc, mem_free, DriverPool};
 pub use module::{CudaFunction, CudaModule, KernelArg};
@@ -907,5 +908,47 @@ impl Device for CudaDevice {
             }
             Ok(())
         })
+    }
+
+    // --- sharing (see `cuda/share.rs`) ---
+
+    fn device_count(&self) -> SysResult<i32> {
+        self.device_count_impl()
+    }
+
+    fn can_access_peer(&self, peer: i32) -> SysResult<bool> {
+        self.can_access_peer_impl(peer)
+    }
+
+    fn get_access(&self, ptr: DevicePtr, device: i32) -> SysResult<Access> {
+        self.get_access_impl(ptr, device)
+    }
+
+    fn create_ipc_event(&self) -> SysResult<(crate::IpcEvent, crate::IpcEventHandle)> {
+        self.create_ipc_event_impl()
+    }
+
+    fn open_ipc_event(&self, handle: crate::IpcEventHandle) -> SysResult<crate::IpcEvent> {
+        self.open_ipc_event_impl(handle)
+    }
+
+    fn record_ipc_event(&self, event: crate::IpcEvent, stream: Stream) -> SysResult<()> {
+        self.record_ipc_event_impl(event, stream)
+    }
+
+    fn query_ipc_event(&self, event: crate::IpcEvent) -> SysResult<bool> {
+        self.query_ipc_event_impl(event)
+    }
+
+    fn synchronize_ipc_event(&self, event: crate::IpcEvent) -> SysResult<()> {
+        self.synchronize_ipc_event_impl(event)
+    }
+
+    fn wait_ipc_event(&self, stream: Stream, event: crate::IpcEvent) -> SysResult<()> {
+        self.wait_ipc_event_impl(stream, event)
+    }
+
+    fn destroy_ipc_event(&self, event: crate::IpcEvent) -> SysResult<()> {
+        self.destroy_ipc_event_impl(event)
     }
 }

@@ -10,6 +10,13 @@
 //!   to `FILE` (see [`Summary`]);
 //! - `TIDEPOOL_REQUIRE_GPU=1` (set by the GPU runner): a missing CUDA driver
 //!   is a failure instead of a skip.
+//!
+//! This module is compiled into each bench binary (`mod benchutil;`), not
+//! into the `tidepool-benches` library, so that criterion and its
+//! dependencies stay out of the replayer's build: `criterion` is a
+//! dev-dependency only. A bench that uses only part of it would warn about
+//! the rest, hence the `dead_code` allowance.
+#![allow(dead_code)]
 
 use criterion::measurement::WallTime;
 use criterion::{BenchmarkGroup, BenchmarkId, Criterion, SamplingMode, Throughput};
@@ -117,21 +124,23 @@ impl Summary {
         } else {
             0.0
         };
-        let mut line = format!(
-            "{{\"bench\":{},\"backend\":{},\"allocator\":{},\"param\":{},\"ns_per_op\":{:.3},\"ops_per_sec\":{:.1},\"samples\":{},\"iters\":{}",
-            json_str(bench),
-            json_str(backend),
-            json_str(allocator),
-            json_str(param),
-            ns_per_op,
-            ops_per_sec,
-            samples,
-            iters
-        );
+        let mut line = serde_json::json!({
+            "bench": bench,
+            "backend": backend,
+            "allocator": allocator,
+            "param": param,
+            "ns_per_op": (ns_per_op * 1000.0).round() / 1000.0,
+            "ops_per_sec": (ops_per_sec * 10.0).round() / 10.0,
+            "samples": samples,
+            "iters": iters,
+        });
         for (k, v) in extra {
-            line.push_str(&format!(",{}:{}", json_str(k), v));
+            // `extra` values are JSON texts (numbers, mostly); anything else
+            // is kept as a string.
+            let value = serde_json::from_str(v).unwrap_or_else(|_| v.clone().into());
+            line[*k] = value;
         }
-        line.push('}');
+        let line = line.to_string();
         eprintln!("summary: {line}");
         Self::append_line(&line);
     }
@@ -142,42 +151,25 @@ impl Summary {
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0);
-        let mut line = format!(
-            "{{\"meta\":{},\"unix_time\":{secs},\"quick\":{},\"cpus\":{}",
-            json_str(binary),
-            quick(),
-            std::thread::available_parallelism().map_or(0, |n| n.get())
-        );
+        let mut line = serde_json::json!({
+            "meta": binary,
+            "unix_time": secs,
+            "quick": quick(),
+            "cpus": std::thread::available_parallelism().map_or(0, |n| n.get()),
+        });
         match cuda() {
             Some(dev) => {
                 if let Ok((ma, mi)) = dev.compute_capability() {
-                    line.push_str(&format!(",\"compute_capability\":\"{ma}.{mi}\""));
+                    line["compute_capability"] = format!("{ma}.{mi}").into();
                 }
                 if let Ok(m) = dev.mem_info() {
-                    line.push_str(&format!(",\"device_mem_total\":{}", m.total));
+                    line["device_mem_total"] = m.total.into();
                 }
             }
-            None => line.push_str(",\"cuda\":false"),
+            None => line["cuda"] = false.into(),
         }
-        line.push('}');
-        Self::append_line(&line);
+        Self::append_line(&line.to_string());
     }
-}
-
-/// A JSON string literal.
-pub fn json_str(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
 }
 
 /// What one benchmark measures, for the summary line.
@@ -338,7 +330,7 @@ pub trait BenchAlloc: Send + Sync {
     /// Address of an allocation.
     fn ptr(h: &Self::Handle) -> DevicePtr;
     /// Whether the bench synchronises the stream after each pair (the
-    /// driver pool with release threshold 0: the seed's slow case).
+    /// driver pool with release threshold 0, the driver's default: every sync gives memory back).
     fn sync_each_pair(&self) -> bool {
         false
     }

@@ -1,0 +1,149 @@
+//! Compiles the C test program (and the C++ shim check) against
+//! `include/tidepool.h`, links it with the library cargo built for this
+//! package (shared and static), and runs it on the host backend.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+fn manifest_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The directory holding a fresh `libtidepool.so` / `libtidepool.a`.
+/// `cargo test` does not build a library that has no Rust crate type for
+/// the tests to link, so build it here (same cargo, profile and target
+/// directory), once per test process.
+fn lib_dir() -> PathBuf {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let exe = std::env::current_exe().expect("test executable path");
+            // target/<profile>/deps/<test> -> target/<profile>
+            let profile_dir = exe
+                .parent()
+                .and_then(Path::parent)
+                .expect("target/<profile> directory")
+                .to_path_buf();
+            let target_dir = profile_dir.parent().expect("target directory");
+            let mut cmd = Command::new(env!("CARGO"));
+            cmd.args(["build", "-p", "tidepool-capi", "--lib"])
+                .env("CARGO_TARGET_DIR", target_dir)
+                .current_dir(manifest_dir());
+            if profile_dir.file_name().is_some_and(|n| n == "release") {
+                cmd.arg("--release");
+            }
+            let status = cmd.status().expect("run cargo build");
+            assert!(status.success(), "{cmd:?} failed");
+            assert!(profile_dir.join("libtidepool.so").exists());
+            profile_dir
+        })
+        .clone()
+}
+
+fn out_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tidepool-capi-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("create output dir");
+    dir
+}
+
+fn compile(compiler: &str, source: &Path, output: &Path, link: &[String]) {
+    let include = manifest_dir().join("include");
+    let mut cmd = Command::new(compiler);
+    cmd.arg("-Wall")
+        .arg("-Wextra")
+        .arg("-Werror")
+        .arg("-I")
+        .arg(&include)
+        .arg(source)
+        .arg("-o")
+        .arg(output)
+        .args(link);
+    let result = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("running {compiler}: {e}"));
+    assert!(
+        result.status.success(),
+        "{cmd:?} failed:\n{}{}",
+        String::from_utf8_lossy(&result.stdout),
+        String::from_utf8_lossy(&result.stderr)
+    );
+}
+
+fn run(program: &Path, expect: &str) {
+    let result = Command::new(program)
+        .output()
+        .unwrap_or_else(|e| panic!("running {}: {e}", program.display()));
+    let stdout = String::from_utf8_lossy(&result.stdout);
+    let stderr = String::from_utf8_lossy(&result.stderr);
+    assert!(
+        result.status.success() && stdout.contains(expect),
+        "{} failed ({}):\nstdout:\n{stdout}\nstderr:\n{stderr}",
+        program.display(),
+        result.status
+    );
+}
+
+fn shared_link() -> Vec<String> {
+    let lib = lib_dir();
+    vec![
+        format!("-L{}", lib.display()),
+        "-ltidepool".into(),
+        format!("-Wl,-rpath,{}", lib.display()),
+    ]
+}
+
+fn static_link() -> Vec<String> {
+    vec![
+        lib_dir().join("libtidepool.a").display().to_string(),
+        "-lstdc++".into(),
+        "-lpthread".into(),
+        "-ldl".into(),
+        "-lm".into(),
+    ]
+}
+
+#[test]
+fn c_program_against_the_shared_library() {
+    let out = out_dir("shared");
+    let exe = out.join("test_capi");
+    let mut link = vec!["-std=c11".to_string()];
+    link.extend(shared_link());
+    compile(
+        "cc",
+        &manifest_dir().join("tests/c/test_capi.c"),
+        &exe,
+        &link,
+    );
+    run(&exe, "all C API checks passed");
+}
+
+#[test]
+fn c_program_against_the_static_library() {
+    let out = out_dir("static");
+    let exe = out.join("test_capi");
+    let mut link = vec!["-std=c11".to_string()];
+    link.extend(static_link());
+    compile(
+        "cc",
+        &manifest_dir().join("tests/c/test_capi.c"),
+        &exe,
+        &link,
+    );
+    run(&exe, "all C API checks passed");
+}
+
+#[test]
+fn cpp_shim_throws_instead_of_returning_null() {
+    let out = out_dir("shim");
+    let exe = out.join("test_shim");
+    let mut link = vec!["-std=c++17".to_string()];
+    link.extend(shared_link());
+    compile(
+        "c++",
+        &manifest_dir().join("tests/c/test_shim.cpp"),
+        &exe,
+        &link,
+    );
+    run(&exe, "shim checks passed");
+}

@@ -1,0 +1,356 @@
+//! Peer access on the host backend: validation of `peer_devices` at pool
+//! creation, typed errors, reading access back, and — through a wrapper
+//! that simulates a second device — that the access list reaches every
+//! page mapped now and later (growth, stitching, trim), and revocation.
+
+use std::collections::HashMap;
+use std::os::fd::OwnedFd;
+use std::sync::{Arc, Mutex};
+use tidepool::{MemPool, PoolConfig, PoolError};
+use tidepool_sys::{
+    Access, AccessDesc, Device, DevicePtr, Event, HostConfig, HostDevice, HostTask, MemInfo, Op,
+    Physical, PhysicalOptions, Stream, SysError, SysResult,
+};
+
+const PAGE: usize = 2 << 20;
+
+fn host(capacity: usize) -> HostDevice {
+    HostDevice::with_config(HostConfig {
+        capacity,
+        granularity: PAGE,
+    })
+}
+
+#[test]
+fn peer_that_does_not_exist_fails_creation_and_reserves_nothing() {
+    let dev = Arc::new(host(64 << 20));
+    let before = dev.live_reservations();
+    let err = MemPool::new(
+        dev.clone(),
+        PoolConfig::default()
+            .with_va_size(1 << 30)
+            .with_peer_devices(vec![7]),
+    )
+    .expect_err("device 7 does not exist");
+    assert!(
+        matches!(err, PoolError::NoPeerAccess { device: 7, .. }),
+        "{err:?}"
+    );
+    assert_eq!(dev.live_reservations(), before, "nothing reserved");
+    // Its own ordinal in the list is harmless.
+    MemPool::new(
+        dev.clone(),
+        PoolConfig::default()
+            .with_va_size(1 << 30)
+            .with_peer_devices(vec![0]),
+    )
+    .expect("own device as a peer");
+}
+
+#[test]
+fn own_access_reads_back_and_cannot_be_lowered() {
+    let dev = Arc::new(host(64 << 20));
+    let pool = MemPool::new(dev.clone(), PoolConfig::default().with_va_size(1 << 30)).unwrap();
+    let s = dev.create_stream().unwrap();
+    let a = pool.alloc_async(3 * PAGE, s).unwrap();
+    assert_eq!(pool.access(0).unwrap(), Access::ReadWrite);
+    let err = pool.set_access(0, Access::Read).expect_err("own device");
+    assert!(
+        matches!(err, PoolError::InvalidAccess { device: 0, .. }),
+        "{err:?}"
+    );
+    let err = pool
+        .set_access(1, Access::ReadWrite)
+        .expect_err("no device 1 here");
+    assert!(
+        matches!(err, PoolError::NoPeerAccess { device: 1, .. }),
+        "{err:?}"
+    );
+    assert_eq!(pool.access(0).unwrap(), Access::ReadWrite);
+    pool.free_async(a, s).unwrap();
+}
+
+/// A host device that claims a second device (ordinal 1) with peer
+/// access: set-access entries for device 1 are kept per mapping here (and
+/// forgotten on unmap, like the driver's), everything else goes to the
+/// host device.
+struct TwoDevices {
+    inner: HostDevice,
+    /// mapping start -> (size, access of device 1)
+    peer: Mutex<HashMap<u64, (usize, Access)>>,
+}
+
+impl TwoDevices {
+    fn new(capacity: usize) -> Self {
+        TwoDevices {
+            inner: host(capacity),
+            peer: Mutex::new(HashMap::new()),
+        }
+    }
+}
+
+impl Device for TwoDevices {
+    fn backend_name(&self) -> &'static str {
+        "host"
+    }
+    fn ordinal(&self) -> i32 {
+        0
+    }
+    fn granularity(&self) -> usize {
+        self.inner.granularity()
+    }
+    fn reserve_va(&self, size: usize, alignment: usize) -> SysResult<DevicePtr> {
+        self.inner.reserve_va(size, alignment)
+    }
+    fn free_va(&self, ptr: DevicePtr, size: usize) -> SysResult<()> {
+        self.inner.free_va(ptr, size)
+    }
+    fn create_physical(&self, size: usize, options: PhysicalOptions) -> SysResult<Physical> {
+        self.inner.create_physical(size, options)
+    }
+    fn release_physical(&self, handle: Physical) -> SysResult<()> {
+        self.inner.release_physical(handle)
+    }
+    fn map(&self, ptr: DevicePtr, size: usize, handle: Physical, offset: usize) -> SysResult<()> {
+        self.inner.map(ptr, size, handle, offset)?;
+        // A fresh mapping: no access for anyone.
+        self.peer.lock().unwrap().insert(ptr, (size, Access::None));
+        Ok(())
+    }
+    fn unmap(&self, ptr: DevicePtr, size: usize) -> SysResult<()> {
+        self.inner.unmap(ptr, size)?;
+        self.peer.lock().unwrap().remove(&ptr);
+        Ok(())
+    }
+    fn set_access(&self, ptr: DevicePtr, size: usize, access: &[AccessDesc]) -> SysResult<()> {
+        let own: Vec<AccessDesc> = access.iter().copied().filter(|a| a.device == 0).collect();
+        if !own.is_empty() {
+            self.inner.set_access(ptr, size, &own)?;
+        }
+        if let Some(p) = access.iter().rev().find(|a| a.device == 1) {
+            let mut peer = self.peer.lock().unwrap();
+            let end = ptr + size as u64;
+            let starts: Vec<u64> = peer
+                .iter()
+                .filter(|(&s, &(len, _))| s >= ptr && s + len as u64 <= end)
+                .map(|(&s, _)| s)
+                .collect();
+            let covered: usize = starts.iter().map(|s| peer[s].0).sum();
+            if covered != size {
+                return Err(SysError::InvalidArgument {
+                    op: Op::SetAccess,
+                    reason: format!("[{ptr:#x}, +{size:#x}) is not entirely mapped"),
+                });
+            }
+            for s in starts {
+                peer.get_mut(&s).unwrap().1 = p.access;
+            }
+        }
+        Ok(())
+    }
+    fn export_fd(&self, handle: Physical) -> SysResult<OwnedFd> {
+        self.inner.export_fd(handle)
+    }
+    fn import_fd(&self, fd: OwnedFd, size: usize) -> SysResult<Physical> {
+        self.inner.import_fd(fd, size)
+    }
+    fn mem_info(&self) -> SysResult<MemInfo> {
+        self.inner.mem_info()
+    }
+    fn create_stream(&self) -> SysResult<Stream> {
+        self.inner.create_stream()
+    }
+    fn destroy_stream(&self, stream: Stream) -> SysResult<()> {
+        self.inner.destroy_stream(stream)
+    }
+    fn default_stream(&self) -> Stream {
+        self.inner.default_stream()
+    }
+    fn adopt_stream(&self, raw: usize) -> SysResult<Stream> {
+        self.inner.adopt_stream(raw)
+    }
+    fn synchronize_stream(&self, stream: Stream) -> SysResult<()> {
+        self.inner.synchronize_stream(stream)
+    }
+    fn synchronize_device(&self) -> SysResult<()> {
+        self.inner.synchronize_device()
+    }
+    fn query_stream(&self, stream: Stream) -> SysResult<bool> {
+        self.inner.query_stream(stream)
+    }
+    fn is_capturing(&self, stream: Stream) -> SysResult<bool> {
+        self.inner.is_capturing(stream)
+    }
+    fn create_event(&self) -> SysResult<Event> {
+        self.inner.create_event()
+    }
+    fn record_event(&self, event: Event, stream: Stream) -> SysResult<()> {
+        self.inner.record_event(event, stream)
+    }
+    fn query_event(&self, event: Event) -> SysResult<bool> {
+        self.inner.query_event(event)
+    }
+    fn synchronize_event(&self, event: Event) -> SysResult<()> {
+        self.inner.synchronize_event(event)
+    }
+    fn destroy_event(&self, event: Event) -> SysResult<()> {
+        self.inner.destroy_event(event)
+    }
+    fn wait_event(&self, stream: Stream, event: Event) -> SysResult<()> {
+        self.inner.wait_event(stream, event)
+    }
+    fn launch_host(&self, stream: Stream, task: HostTask) -> SysResult<()> {
+        self.inner.launch_host(stream, task)
+    }
+    fn device_count(&self) -> SysResult<i32> {
+        Ok(2)
+    }
+    fn can_access_peer(&self, peer: i32) -> SysResult<bool> {
+        match peer {
+            0 | 1 => Ok(true),
+            // Device 2 exists but has no peer path (as on a machine where
+            // two GPUs are not connected).
+            2 => Ok(false),
+            _ => Err(SysError::InvalidArgument {
+                op: Op::PeerAccess,
+                reason: format!("device {peer} does not exist"),
+            }),
+        }
+    }
+    fn get_access(&self, ptr: DevicePtr, device: i32) -> SysResult<Access> {
+        if device != 1 {
+            return self.inner.get_access(ptr, device);
+        }
+        let peer = self.peer.lock().unwrap();
+        peer.iter()
+            .find(|(&s, &(len, _))| ptr >= s && ptr < s + len as u64)
+            .map(|(_, &(_, a))| a)
+            .ok_or(SysError::InvalidArgument {
+                op: Op::GetAccess,
+                reason: format!("{ptr:#x} is not mapped"),
+            })
+    }
+}
+
+/// Fill the pool with page-sized blocks, free every other one (completed),
+/// then ask for a block that only stitching can place without growing.
+fn stitch<D: Device>(pool: &MemPool<D>, s: Stream, dev: &D) {
+    let blocks: Vec<_> = (0..8).map(|_| pool.alloc_async(PAGE, s).unwrap()).collect();
+    let mut keep = Vec::new();
+    for (i, b) in blocks.into_iter().enumerate() {
+        if i % 2 == 0 {
+            pool.free_async(b, s).unwrap();
+        } else {
+            keep.push(b);
+        }
+    }
+    dev.synchronize_stream(s).unwrap();
+    pool.synchronize().unwrap();
+    let before = pool.stats();
+    let big = pool.alloc_async(4 * PAGE, s).unwrap();
+    let after = pool.stats();
+    assert!(
+        after.remaps > before.remaps,
+        "the big block needed remapping"
+    );
+    pool.free_async(big, s).unwrap();
+    for b in keep {
+        pool.free_async(b, s).unwrap();
+    }
+}
+
+#[test]
+fn peer_access_reaches_pages_mapped_now_and_later() {
+    // Capacity for 10 pages: the big block must be stitched, not grown.
+    let dev = Arc::new(TwoDevices::new(10 * PAGE));
+    let pool = MemPool::new(
+        dev.clone(),
+        PoolConfig::default()
+            .with_va_size(1 << 30)
+            .with_max_size(10 * PAGE as u64),
+    )
+    .unwrap();
+    let s = dev.create_stream().unwrap();
+    // Pages mapped before access is given.
+    let a = pool.alloc_async(2 * PAGE, s).unwrap();
+    assert_eq!(pool.access(1).unwrap(), Access::None);
+    pool.set_access(1, Access::ReadWrite).unwrap();
+    assert_eq!(pool.access(1).unwrap(), Access::ReadWrite);
+    pool.free_async(a, s).unwrap();
+    // Growth, stitching and reactivated ghost mappings.
+    stitch(&pool, s, &*dev);
+    assert_eq!(
+        pool.access(1).unwrap(),
+        Access::ReadWrite,
+        "after growth and stitching"
+    );
+    assert!(pool.stats().growths >= 8);
+    // Trim, then growth again.
+    pool.synchronize().unwrap();
+    let released = pool.trim_to(2 * PAGE as u64).unwrap();
+    assert!(released > 0);
+    assert_eq!(pool.access(1).unwrap(), Access::ReadWrite, "after trim");
+    let b = pool.alloc_async(6 * PAGE, s).unwrap();
+    assert_eq!(pool.access(1).unwrap(), Access::ReadWrite, "after regrowth");
+    // Revoke: every page, now and later.
+    pool.set_access(1, Access::None).unwrap();
+    assert_eq!(pool.access(1).unwrap(), Access::None);
+    pool.free_async(b, s).unwrap();
+    stitch(&pool, s, &*dev);
+    assert_eq!(
+        pool.access(1).unwrap(),
+        Access::None,
+        "revoked, after stitching"
+    );
+    // Read-only, then back to read-write.
+    pool.set_access(1, Access::Read).unwrap();
+    assert_eq!(pool.access(1).unwrap(), Access::Read);
+    pool.set_access(1, Access::ReadWrite).unwrap();
+    assert_eq!(pool.access(1).unwrap(), Access::ReadWrite);
+    // The pool's own access never changed.
+    assert_eq!(pool.access(0).unwrap(), Access::ReadWrite);
+}
+
+#[test]
+fn configured_peers_are_applied_from_the_first_page() {
+    let dev = Arc::new(TwoDevices::new(16 * PAGE));
+    let pool = MemPool::new(
+        dev.clone(),
+        PoolConfig::default()
+            .with_va_size(1 << 30)
+            .with_peer_devices(vec![1]),
+    )
+    .unwrap();
+    let s = dev.create_stream().unwrap();
+    let a = pool.alloc_async(3 * PAGE, s).unwrap();
+    assert_eq!(pool.access(1).unwrap(), Access::ReadWrite);
+    pool.free_async(a, s).unwrap();
+}
+
+#[test]
+fn peer_without_capability_is_a_typed_error() {
+    let dev = Arc::new(TwoDevices::new(16 * PAGE));
+    let err = MemPool::new(
+        dev.clone(),
+        PoolConfig::default()
+            .with_va_size(1 << 30)
+            .with_peer_devices(vec![2]),
+    )
+    .expect_err("device 2 has no peer path");
+    assert!(
+        matches!(err, PoolError::NoPeerAccess { device: 2, .. }),
+        "{err:?}"
+    );
+    assert_eq!(dev.inner.live_reservations(), 0, "nothing reserved");
+    let pool = MemPool::new(dev.clone(), PoolConfig::default().with_va_size(1 << 30)).unwrap();
+    let s = dev.create_stream().unwrap();
+    let a = pool.alloc_async(PAGE, s).unwrap();
+    let err = pool
+        .set_access(2, Access::ReadWrite)
+        .expect_err("no peer path");
+    assert!(
+        matches!(err, PoolError::NoPeerAccess { device: 2, .. }),
+        "{err:?}"
+    );
+    pool.free_async(a, s).unwrap();
+}
