@@ -13,7 +13,8 @@ use std::hint::black_box;
 use tidepool::cudarc::driver::CudaContext;
 use tidepool::cudarc::{cuda_device, PoolStream};
 use tidepool::MemPool;
-use tidepool_benches::benchutil::{self as bu, Meas};
+mod benchutil;
+use benchutil::{self as bu, Meas};
 
 const SIZES: [usize; 2] = [64 << 10, 16 << 20];
 
