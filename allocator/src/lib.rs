@@ -61,6 +61,8 @@
 
 mod arena;
 mod config;
+#[cfg(all(feature = "cudarc", not(loom)))]
+pub mod cudarc;
 mod error;
 mod order;
 mod policy;

@@ -77,29 +77,38 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
+/// The driver library, opened by this crate itself under the names cudarc
+/// tries, so the probe works whichever way cudarc reaches the driver
+/// (loaded at run time, or linked by the user's `dynamic-linking` /
+/// `static-linking` build, where cudarc has no loader to ask).
+fn open_driver_library() -> Option<libloading::Library> {
+    use std::env::consts::{DLL_PREFIX, DLL_SUFFIX};
+    [
+        format!("{DLL_PREFIX}cuda{DLL_SUFFIX}"),
+        format!("{DLL_PREFIX}cuda{DLL_SUFFIX}.1"),
+        format!("{DLL_PREFIX}nvcuda{DLL_SUFFIX}"),
+        "nvcuda.dll".to_string(),
+    ]
+    .into_iter()
+    .find_map(|candidate| {
+        // SAFETY: loading the NVIDIA driver library runs only its own
+        // initialisers, which are safe to run in any process.
+        unsafe { libloading::Library::new(candidate) }.ok()
+    })
+}
+
 fn probe() -> Result<(), String> {
-    // SAFETY: `is_culib_present` only tries to dlopen the driver library
-    // under its usual names and closes it again.
-    let present = catch_unwind(|| unsafe { sys::is_culib_present() })
-        .map_err(|p| format!("loading libcuda panicked: {}", panic_message(&*p)))?;
-    if !present {
+    let Some(lib) = open_driver_library() else {
         return Err(
             "libcuda.so (the NVIDIA driver library) was not found; install the NVIDIA driver \
              or add its directory to LD_LIBRARY_PATH"
                 .to_string(),
         );
-    }
+    };
     for name in REQUIRED_SYMBOLS {
-        let found = catch_unwind(|| {
-            // SAFETY: we only look the symbol up and never call it through
-            // this pointer type; `culib` loads the library found above.
-            unsafe {
-                sys::culib()
-                    .get::<unsafe extern "C" fn()>(name.as_bytes())
-                    .is_ok()
-            }
-        })
-        .map_err(|p| format!("loading libcuda panicked: {}", panic_message(&*p)))?;
+        // SAFETY: we only look the symbol up and never call it through this
+        // pointer type.
+        let found = unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_ok();
         if !found {
             return Err(format!(
                 "libcuda lacks the symbol {name} (driver older than CUDA 13.0?)"
