@@ -192,11 +192,12 @@ typedef struct tidepool_stats {
    */
   uint64_t used_high;
   /**
-   * Allocations made (size 0 included).
+   * Allocations made (size-0 requests, which give NULL, not counted:
+   * `allocs - frees` is the number of live allocations).
    */
   uint64_t allocs;
   /**
-   * Frees made (size 0 included).
+   * Frees made (of non-NULL pointers).
    */
   uint64_t frees;
   /**
@@ -244,9 +245,10 @@ extern "C" {
 const char *tidepool_last_error(void);
 
 /**
- * A constant name for a status code ("TIDEPOOL_ERROR_OUT_OF_MEMORY"...).
+ * A constant name for a status code ("TIDEPOOL_ERROR_OUT_OF_MEMORY"...);
+ * "TIDEPOOL_UNKNOWN_STATUS" for a value that is not one.
  */
-const char *tidepool_status_string(enum tidepool_status status);
+const char *tidepool_status_string(int status);
 
 /**
  * Fill `config` with the defaults (CUDA device 0, no maximum, keep all

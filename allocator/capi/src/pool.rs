@@ -2,7 +2,7 @@
 
 use crate::error::{guard, tidepool_status, Failure};
 use crate::streams::RawStreams;
-use std::ffi::c_void;
+use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use tidepool_core::{Device, MemPool, OomReport, PoolConfig, PoolError, PoolStats, ReusePolicy};
@@ -136,6 +136,8 @@ pub struct tidepool_pool {
     /// Runtime maximum of reserved bytes (`tidepool_set_max_size`), on top
     /// of the maximum the pool was created with. `NO_CAP` when unset.
     cap: AtomicU64,
+    /// Size-0 allocations made (they give NULL, which is never freed).
+    zero_allocs: AtomicU64,
     /// A per-device default pool: lives for the whole process.
     is_default: bool,
 }
@@ -166,6 +168,7 @@ impl tidepool_pool {
             pool,
             streams: RawStreams::default(),
             cap: AtomicU64::new(NO_CAP),
+            zero_allocs: AtomicU64::new(0),
             is_default,
         })
     }
@@ -199,6 +202,11 @@ impl tidepool_pool {
     pub(crate) fn alloc(&self, size: usize, stream: Stream) -> Result<u64, PoolError> {
         with_pool!(&self.pool, |p| {
             let ptr = p.alloc_raw(size, stream)?;
+            if size == 0 {
+                // NULL is never freed, so a size-0 request is not counted
+                // as an allocation in the statistics (see `c_stats`).
+                self.zero_allocs.fetch_add(1, Ordering::Relaxed);
+            }
             let cap = self.cap.load(Ordering::Relaxed);
             if cap == NO_CAP || size == 0 || p.stats().reserved_current <= cap {
                 return Ok(ptr);
@@ -231,8 +239,15 @@ impl tidepool_pool {
         with_pool!(&self.pool, |p| p.free_raw(ptr, stream))
     }
 
+    /// Declare a use of `ptr` on `stream`. The stream is checked first: the
+    /// pool itself only notes the stream, and its free would then try to
+    /// record an event on a stream that does not exist, fail, and leave the
+    /// allocation impossible to free.
     pub(crate) fn record_use(&self, ptr: u64, stream: Stream) -> Result<(), PoolError> {
-        with_pool!(&self.pool, |p| p.record_use_raw(ptr, stream))
+        with_pool!(&self.pool, |p| {
+            p.device().is_capturing(stream)?;
+            p.record_use_raw(ptr, stream)
+        })
     }
 
     pub(crate) fn synchronize(&self) -> Result<(), PoolError> {
@@ -263,9 +278,10 @@ pub struct tidepool_stats {
     pub used_current: u64,
     /// Highest `used_current` since creation or the last peak reset.
     pub used_high: u64,
-    /// Allocations made (size 0 included).
+    /// Allocations made (size-0 requests, which give NULL, not counted:
+    /// `allocs - frees` is the number of live allocations).
     pub allocs: u64,
-    /// Frees made (size 0 included).
+    /// Frees made (of non-NULL pointers).
     pub frees: u64,
     /// Allocations served from the allocating stream's own cache.
     pub cache_hits: u64,
@@ -286,13 +302,18 @@ pub struct tidepool_stats {
 }
 
 pub(crate) fn c_stats(pool: &tidepool_pool) -> tidepool_stats {
+    // Read before the snapshot: a size-0 request counts in the pool's
+    // statistics before it counts here, so `allocs` is never too low.
+    let zero_allocs = pool.zero_allocs.load(Ordering::Relaxed);
     let s = pool.stats();
     tidepool_stats {
         reserved_current: s.reserved_current,
         reserved_high: s.reserved_high,
         used_current: s.used_current,
         used_high: s.used_high,
-        allocs: s.allocs,
+        // Size-0 requests give NULL, and freeing NULL does nothing, so they
+        // are left out: `allocs - frees` is the number of live allocations.
+        allocs: s.allocs.saturating_sub(zero_allocs),
         frees: s.frees,
         cache_hits: s.cache_hits,
         growths: s.growths,
@@ -312,6 +333,36 @@ pub(crate) fn pool_ref<'a>(pool: *const tidepool_pool) -> Result<&'a tidepool_po
     // SAFETY: the C contract: `pool` is NULL or a handle from
     // tidepool_pool_create / tidepool_default_pool not yet destroyed.
     unsafe { pool.as_ref() }.ok_or_else(|| Failure::null("pool"))
+}
+
+/// Read a C caller's configuration. The backend is checked as a plain int
+/// before the struct is read as Rust: C may store any int in an enum field,
+/// and a Rust enum holding a value outside its variants is undefined
+/// behaviour.
+fn read_config(config: *const tidepool_config) -> Result<tidepool_config, Failure> {
+    if config.is_null() {
+        return Err(Failure::null("config"));
+    }
+    // SAFETY: non-null and, by the C contract, a readable tidepool_config;
+    // the field is read as the C int it is in C (repr(C) enums are ints),
+    // through a raw pointer, without making a reference to the struct.
+    let backend = unsafe { std::ptr::addr_of!((*config).backend).cast::<c_int>().read() };
+    let known = [
+        tidepool_backend::TIDEPOOL_BACKEND_CUDA,
+        tidepool_backend::TIDEPOOL_BACKEND_HOST,
+    ];
+    if !known.iter().any(|b| *b as c_int == backend) {
+        return Err(Failure::new(
+            TIDEPOOL_ERROR_INVALID_ARGUMENT,
+            format!(
+                "config backend {backend} is not a tidepool_backend; use \
+                 TIDEPOOL_BACKEND_CUDA or TIDEPOOL_BACKEND_HOST"
+            ),
+        ));
+    }
+    // SAFETY: as above, and every field now holds a valid value (the
+    // other fields are integers and C `bool`s).
+    Ok(unsafe { config.read() })
 }
 
 pub(crate) fn write_out<T>(out: *mut T, value: T, what: &str) -> Result<(), Failure> {
@@ -390,12 +441,11 @@ pub extern "C" fn tidepool_pool_create(
     out: *mut *mut tidepool_pool,
 ) -> tidepool_status {
     guard("tidepool_pool_create", || {
-        // SAFETY: the C contract: NULL or a valid, initialised config.
-        let c = unsafe { config.as_ref() }.ok_or_else(|| Failure::null("config"))?;
+        let c = read_config(config)?;
         if out.is_null() {
             return Err(Failure::null("out"));
         }
-        let pool = Box::into_raw(Box::new(tidepool_pool::create(c, false)?));
+        let pool = Box::into_raw(Box::new(tidepool_pool::create(&c, false)?));
         write_out(out, pool, "out")
     })
 }
@@ -426,8 +476,7 @@ pub extern "C" fn tidepool_pool_destroy(pool: *mut tidepool_pool) -> tidepool_st
 #[no_mangle]
 pub extern "C" fn tidepool_set_default_config(config: *const tidepool_config) -> tidepool_status {
     guard("tidepool_set_default_config", || {
-        // SAFETY: the C contract: NULL or a valid, initialised config.
-        let c = unsafe { config.as_ref() }.ok_or_else(|| Failure::null("config"))?;
+        let c = read_config(config)?;
         if c.backend != tidepool_backend::TIDEPOOL_BACKEND_CUDA {
             return Err(Failure::new(
                 TIDEPOOL_ERROR_INVALID_ARGUMENT,
@@ -442,7 +491,7 @@ pub extern "C" fn tidepool_set_default_config(config: *const tidepool_config) ->
                 "a default pool already exists; configure before the first allocation",
             ));
         }
-        cfg.0 = *c;
+        cfg.0 = c;
         Ok(())
     })
 }

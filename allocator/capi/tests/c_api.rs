@@ -147,3 +147,22 @@ fn cpp_shim_throws_instead_of_returning_null() {
     );
     run(&exe, "shim checks passed");
 }
+
+/// Misuse from C (NULL and foreign handles, impossible sizes, retired and
+/// unknown streams, maxima below usage, several threads at once, the
+/// default-pool functions without a driver): documented statuses, no crash,
+/// live data intact.
+#[test]
+fn c_misuse_gets_documented_errors_and_corrupts_nothing() {
+    let out = out_dir("attack");
+    let exe = out.join("test_attack");
+    let mut link = vec!["-std=c11".to_string(), "-pthread".to_string()];
+    link.extend(shared_link());
+    compile(
+        "cc",
+        &manifest_dir().join("tests/c/test_attack.c"),
+        &exe,
+        &link,
+    );
+    run(&exe, "all attack checks passed");
+}
