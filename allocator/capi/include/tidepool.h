@@ -99,6 +99,12 @@ typedef enum tidepool_backend {
 
 /**
  * An opaque pool handle.
+ *
+ * The handle itself is never freed: `tidepool_pool_destroy` frees the pool
+ * behind it and leaves the handle empty, so a call on a destroyed pool
+ * (a second destroy included) fails with a message instead of reading freed
+ * memory, and a pool created later never answers to an old handle. Each
+ * destroyed pool thus leaves one pointer-sized allocation behind.
  */
 typedef struct tidepool_pool tidepool_pool;
 
@@ -265,7 +271,10 @@ enum tidepool_status tidepool_pool_create(const struct tidepool_config *config,
 /**
  * Destroy a pool made by `tidepool_pool_create`. Its memory goes back to
  * the device; pointers from it must no longer be used (by the host or by
- * queued device work). Default pools cannot be destroyed.
+ * queued device work). Default pools cannot be destroyed. Later calls with
+ * the handle (a second destroy included) fail with
+ * `TIDEPOOL_ERROR_INVALID_ARGUMENT`; no other call on the pool may be
+ * running while it is destroyed.
  */
 enum tidepool_status tidepool_pool_destroy(struct tidepool_pool *pool);
 

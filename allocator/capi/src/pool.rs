@@ -3,7 +3,7 @@
 use crate::error::{guard, tidepool_status, Failure};
 use crate::streams::RawStreams;
 use std::ffi::{c_int, c_void};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use tidepool_core::{Device, MemPool, OomReport, PoolConfig, PoolError, PoolStats, ReusePolicy};
 use tidepool_sys::cuda::CudaDevice;
@@ -130,7 +130,19 @@ macro_rules! with_pool {
 const NO_CAP: u64 = u64::MAX;
 
 /// An opaque pool handle.
+///
+/// The handle itself is never freed: `tidepool_pool_destroy` frees the pool
+/// behind it and leaves the handle empty, so a call on a destroyed pool
+/// (a second destroy included) fails with a message instead of reading freed
+/// memory, and a pool created later never answers to an old handle. Each
+/// destroyed pool thus leaves one pointer-sized allocation behind.
 pub struct tidepool_pool {
+    /// The pool; null once destroyed.
+    body: AtomicPtr<PoolBody>,
+}
+
+/// A pool and what the C ABI keeps with it.
+pub(crate) struct PoolBody {
     pub(crate) pool: AnyPool,
     pub(crate) streams: RawStreams,
     /// Runtime maximum of reserved bytes (`tidepool_set_max_size`), on top
@@ -142,7 +154,7 @@ pub struct tidepool_pool {
     is_default: bool,
 }
 
-impl tidepool_pool {
+impl PoolBody {
     fn create(config: &tidepool_config, is_default: bool) -> Result<Self, Failure> {
         let pc = config.pool_config()?;
         let pool = match config.backend {
@@ -164,7 +176,7 @@ impl tidepool_pool {
                 AnyPool::Host(MemPool::new(Arc::new(dev), pc)?)
             }
         };
-        Ok(tidepool_pool {
+        Ok(PoolBody {
             pool,
             streams: RawStreams::default(),
             cap: AtomicU64::new(NO_CAP),
@@ -301,7 +313,7 @@ pub struct tidepool_stats {
     pub raw_streams_recycled: u64,
 }
 
-pub(crate) fn c_stats(pool: &tidepool_pool) -> tidepool_stats {
+pub(crate) fn c_stats(pool: &PoolBody) -> tidepool_stats {
     // Read before the snapshot: a size-0 request counts in the pool's
     // statistics before it counts here, so `allocs` is never too low.
     let zero_allocs = pool.zero_allocs.load(Ordering::Relaxed);
@@ -329,10 +341,23 @@ pub(crate) fn c_stats(pool: &tidepool_pool) -> tidepool_stats {
 // ---------------------------------------------------------------------------
 // helpers for entry points
 
-pub(crate) fn pool_ref<'a>(pool: *const tidepool_pool) -> Result<&'a tidepool_pool, Failure> {
+fn destroyed() -> Failure {
+    Failure::new(
+        TIDEPOOL_ERROR_INVALID_ARGUMENT,
+        "the pool was destroyed; create a new one with tidepool_pool_create",
+    )
+}
+
+pub(crate) fn pool_ref<'a>(pool: *const tidepool_pool) -> Result<&'a PoolBody, Failure> {
     // SAFETY: the C contract: `pool` is NULL or a handle from
-    // tidepool_pool_create / tidepool_default_pool not yet destroyed.
-    unsafe { pool.as_ref() }.ok_or_else(|| Failure::null("pool"))
+    // tidepool_pool_create / tidepool_default_pool. Handles are never
+    // freed, so even the handle of a destroyed pool is readable.
+    let handle = unsafe { pool.as_ref() }.ok_or_else(|| Failure::null("pool"))?;
+    let body = handle.body.load(Ordering::Acquire);
+    // SAFETY: a non-null body is live until tidepool_pool_destroy empties
+    // the handle, and the C contract forbids destroying a pool while other
+    // calls on it are running.
+    unsafe { body.as_ref() }.ok_or_else(destroyed)
 }
 
 /// Read a C caller's configuration. The backend is checked as a plain int
@@ -379,9 +404,11 @@ pub(crate) fn write_out<T>(out: *mut T, value: T, what: &str) -> Result<(), Fail
 
 const MAX_DEVICES: usize = 64;
 
-fn default_slots() -> &'static [OnceLock<&'static tidepool_pool>; MAX_DEVICES] {
-    static SLOTS: [OnceLock<&'static tidepool_pool>; MAX_DEVICES] =
-        [const { OnceLock::new() }; MAX_DEVICES];
+/// A default pool and the handle C callers get for it.
+type DefaultSlot = OnceLock<(&'static tidepool_pool, &'static PoolBody)>;
+
+fn default_slots() -> &'static [DefaultSlot; MAX_DEVICES] {
+    static SLOTS: [DefaultSlot; MAX_DEVICES] = [const { OnceLock::new() }; MAX_DEVICES];
     &SLOTS
 }
 
@@ -392,7 +419,11 @@ fn default_config() -> &'static Mutex<(tidepool_config, bool)> {
 
 /// The default pool of CUDA device `device`, created on first use with the
 /// configuration of `tidepool_set_default_config` (or the defaults).
-pub(crate) fn default_pool(device: i32) -> Result<&'static tidepool_pool, Failure> {
+pub(crate) fn default_pool(device: i32) -> Result<&'static PoolBody, Failure> {
+    default_slot(device).map(|(_, body)| body)
+}
+
+fn default_slot(device: i32) -> Result<(&'static tidepool_pool, &'static PoolBody), Failure> {
     let slot = usize::try_from(device)
         .ok()
         .and_then(|d| default_slots().get(d))
@@ -403,23 +434,30 @@ pub(crate) fn default_pool(device: i32) -> Result<&'static tidepool_pool, Failur
             )
         })?;
     if let Some(p) = slot.get() {
-        return Ok(p);
+        return Ok(*p);
     }
     let mut cfg = default_config().lock().unwrap_or_else(|e| e.into_inner());
     if let Some(p) = slot.get() {
-        return Ok(p);
+        return Ok(*p);
     }
     let mut c = cfg.0;
     c.device = device;
-    let pool: &'static tidepool_pool = Box::leak(Box::new(tidepool_pool::create(&c, true)?));
+    // Both live for the whole process: default pools are never destroyed.
+    let body: &'static mut PoolBody = Box::leak(Box::new(PoolBody::create(&c, true)?));
+    let handle: &'static tidepool_pool = Box::leak(Box::new(tidepool_pool {
+        body: AtomicPtr::new(body as *mut PoolBody),
+    }));
+    let pair = (handle, &*body);
     cfg.1 = true;
-    let _ = slot.set(pool);
-    Ok(pool)
+    let _ = slot.set(pair);
+    Ok(pair)
 }
 
 /// Every default pool created so far.
-pub(crate) fn default_pools() -> impl Iterator<Item = &'static tidepool_pool> {
-    default_slots().iter().filter_map(|s| s.get().copied())
+pub(crate) fn default_pools() -> impl Iterator<Item = &'static PoolBody> {
+    default_slots()
+        .iter()
+        .filter_map(|s| s.get().map(|(_, body)| *body))
 }
 
 // ---------------------------------------------------------------------------
@@ -445,14 +483,20 @@ pub extern "C" fn tidepool_pool_create(
         if out.is_null() {
             return Err(Failure::null("out"));
         }
-        let pool = Box::into_raw(Box::new(tidepool_pool::create(&c, false)?));
-        write_out(out, pool, "out")
+        let body = Box::into_raw(Box::new(PoolBody::create(&c, false)?));
+        let handle = Box::into_raw(Box::new(tidepool_pool {
+            body: AtomicPtr::new(body),
+        }));
+        write_out(out, handle, "out")
     })
 }
 
 /// Destroy a pool made by `tidepool_pool_create`. Its memory goes back to
 /// the device; pointers from it must no longer be used (by the host or by
-/// queued device work). Default pools cannot be destroyed.
+/// queued device work). Default pools cannot be destroyed. Later calls with
+/// the handle (a second destroy included) fail with
+/// `TIDEPOOL_ERROR_INVALID_ARGUMENT`; no other call on the pool may be
+/// running while it is destroyed.
 #[no_mangle]
 pub extern "C" fn tidepool_pool_destroy(pool: *mut tidepool_pool) -> tidepool_status {
     guard("tidepool_pool_destroy", || {
@@ -463,9 +507,17 @@ pub extern "C" fn tidepool_pool_destroy(pool: *mut tidepool_pool) -> tidepool_st
                 "a default pool lives for the whole process and cannot be destroyed",
             ));
         }
-        // SAFETY: created by Box::into_raw in tidepool_pool_create and, by
-        // the C contract, destroyed once.
-        drop(unsafe { Box::from_raw(pool) });
+        // SAFETY: pool_ref found a live handle (non-null, never freed).
+        let handle = unsafe { &*pool };
+        let body = handle.body.swap(std::ptr::null_mut(), Ordering::AcqRel);
+        if body.is_null() {
+            // Another thread destroyed it between the two reads.
+            return Err(destroyed());
+        }
+        // SAFETY: the body was made by Box::into_raw in
+        // tidepool_pool_create, and the swap above took it out of the
+        // handle, so only this call frees it. The handle stays allocated.
+        drop(unsafe { Box::from_raw(body) });
         Ok(())
     })
 }
@@ -507,8 +559,12 @@ pub extern "C" fn tidepool_default_pool(
         if out.is_null() {
             return Err(Failure::null("out"));
         }
-        let p = default_pool(device)?;
-        write_out(out, p as *const tidepool_pool as *mut tidepool_pool, "out")
+        let (handle, _) = default_slot(device)?;
+        write_out(
+            out,
+            handle as *const tidepool_pool as *mut tidepool_pool,
+            "out",
+        )
     })
 }
 

@@ -555,6 +555,60 @@ static void per_thread_errors(void) {
     pthread_barrier_destroy(&barrier);
 }
 
+/* --- a destroyed pool ------------------------------------------------ */
+
+static void calls_after_destroy(void) {
+    tidepool_pool *pool = host_pool(16 * MiB, 0);
+    tidepool_stream s, s1;
+    CHECK_STATUS(tidepool_stream_default(pool, &s), TIDEPOOL_OK);
+    CHECK_STATUS(tidepool_stream_create(pool, &s1), TIDEPOOL_OK);
+    void *p = NULL;
+    CHECK_STATUS(tidepool_alloc_async(pool, MiB, s, &p), TIDEPOOL_OK);
+    CHECK_STATUS(tidepool_pool_destroy(pool), TIDEPOOL_OK);
+    /* New pools made afterwards must not be reachable through the old
+     * handle, even where memory is reused. */
+    tidepool_pool *fresh[4];
+    for (int i = 0; i < 4; i++)
+        fresh[i] = host_pool(16 * MiB, 0);
+
+    const tidepool_status A = TIDEPOOL_ERROR_INVALID_ARGUMENT;
+#define DESTROYED(call)                                                    \
+    do {                                                                   \
+        CHECK_STATUS(call, A);                                             \
+        if (strstr(tidepool_last_error(), "destroyed") == NULL)            \
+            FAIL("%s: message does not say the pool was destroyed: %s",    \
+                 #call, tidepool_last_error());                            \
+    } while (0)
+    tidepool_stream out;
+    tidepool_stats st;
+    void *q = NULL;
+    DESTROYED(tidepool_pool_destroy(pool));
+    DESTROYED(tidepool_stream_default(pool, &out));
+    DESTROYED(tidepool_stream_create(pool, &out));
+    DESTROYED(tidepool_stream_from_raw(pool, NULL, &out));
+    DESTROYED(tidepool_stream_retire(pool, s1));
+    DESTROYED(tidepool_stream_retire_raw(pool, NULL));
+    DESTROYED(tidepool_alloc_async(pool, 64, s, &q));
+    DESTROYED(tidepool_free_async(pool, p, s));
+    DESTROYED(tidepool_alloc_async_raw(pool, 64, NULL, &q));
+    DESTROYED(tidepool_free_async_raw(pool, p, NULL));
+    DESTROYED(tidepool_record_use(pool, p, s));
+    DESTROYED(tidepool_stream_synchronize(pool, s));
+    DESTROYED(tidepool_synchronize(pool));
+    DESTROYED(tidepool_trim_to(pool, 0, NULL));
+    DESTROYED(tidepool_set_max_size(pool, MiB));
+    DESTROYED(tidepool_set_release_threshold(pool, 0));
+    DESTROYED(tidepool_get_stats(pool, &st));
+    DESTROYED(tidepool_reset_peaks(pool));
+#undef DESTROYED
+    CHECK(q == NULL);
+    for (int i = 0; i < 4; i++) {
+        CHECK_STATUS(tidepool_get_stats(fresh[i], &st), TIDEPOOL_OK);
+        CHECK(st.allocs == 0 && st.reserved_current == 0);
+        CHECK_STATUS(tidepool_pool_destroy(fresh[i]), TIDEPOOL_OK);
+    }
+}
+
 /* --- default pools and PyTorch entry points without a driver ---------- */
 
 static void default_pools_without_driver(void) {
@@ -623,6 +677,7 @@ int main(void) {
     RUN(trim_and_cap_under_live_memory);
     RUN(threads);
     RUN(per_thread_errors);
+    RUN(calls_after_destroy);
     RUN(default_pools_without_driver);
     if (failures) {
         fprintf(stderr, "%d attack check(s) failed\n", failures);
