@@ -166,3 +166,33 @@ fn c_misuse_gets_documented_errors_and_corrupts_nothing() {
     );
     run(&exe, "all attack checks passed");
 }
+
+/// The Python package where PyTorch cannot be imported (hidden by the
+/// script even where it is installed): clear errors from the package
+/// itself, bad options refused, library-only functions working.
+#[test]
+fn python_package_without_torch() {
+    use std::io::Write;
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    if Command::new(&python).arg("--version").output().is_err() {
+        let _ = writeln!(
+            std::io::stderr().lock(),
+            "SKIP python_package_without_torch: {python} cannot be run here"
+        );
+        return;
+    }
+    let script = manifest_dir().join("../python/tests/check_without_torch.py");
+    let result = Command::new(&python)
+        .arg(&script)
+        .env("TIDEPOOL_LIB", lib_dir().join("libtidepool.so"))
+        .output()
+        .unwrap_or_else(|e| panic!("running {python}: {e}"));
+    let stdout = String::from_utf8_lossy(&result.stdout);
+    assert!(
+        result.status.success() && stdout.contains("python checks passed"),
+        "{} failed ({}):\nstdout:\n{stdout}\nstderr:\n{}",
+        script.display(),
+        result.status,
+        String::from_utf8_lossy(&result.stderr)
+    );
+}
