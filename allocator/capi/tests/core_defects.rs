@@ -1,0 +1,53 @@
+//! Defects found through the C ABI whose cause is in the pool itself; the C
+//! ABI works around them, these tests show them at the core's own API.
+
+use std::sync::Arc;
+use tidepool_core::{Device, MemPool, PoolConfig, Stream};
+use tidepool_sys::{HostConfig, HostDevice};
+
+fn host_pool() -> (Arc<HostDevice>, MemPool<HostDevice>) {
+    let dev = Arc::new(HostDevice::with_config(HostConfig {
+        capacity: 16 << 20,
+        ..HostConfig::default()
+    }));
+    let pool = MemPool::new(dev.clone(), PoolConfig::default().with_va_size(64 << 20)).unwrap();
+    (dev, pool)
+}
+
+/// `record_use_raw` (and `record_use`) note any stream without asking the
+/// device whether it exists. The free then records an event on that stream,
+/// fails with a device error, puts the allocation back, and every later
+/// free of it fails the same way: the memory can never be freed.
+#[test]
+#[ignore = "core defect: MemPool::record_use_raw accepts a stream the device does not know, \
+            and the allocation can then never be freed"]
+fn record_use_of_an_unknown_stream_leaves_the_allocation_freeable() {
+    let (dev, pool) = host_pool();
+    let s = dev.default_stream();
+    let ptr = pool.alloc_raw(1 << 20, s).unwrap();
+    let unknown = Stream(0xdead_beef);
+    // Refusing the stream or ignoring it at the free would both do; what
+    // must not happen is an allocation that can no longer be freed.
+    let noted = pool.record_use_raw(ptr, unknown);
+    if let Err(e) = pool.free_raw(ptr, s) {
+        panic!("after record_use_raw on {unknown} (which gave {noted:?}) the free fails: {e}");
+    }
+}
+
+/// The same through a retired stream: retired streams are refused for
+/// allocation, but a use on one is still noted.
+#[test]
+#[ignore = "core defect: MemPool::record_use_raw accepts a retired stream, \
+            and the allocation can then never be freed"]
+fn record_use_of_a_retired_stream_leaves_the_allocation_freeable() {
+    let (dev, pool) = host_pool();
+    let s = dev.default_stream();
+    let side = dev.create_stream().unwrap();
+    let ptr = pool.alloc_raw(1 << 20, s).unwrap();
+    pool.retire_stream(side).unwrap();
+    dev.destroy_stream(side).unwrap();
+    let noted = pool.record_use_raw(ptr, side);
+    if let Err(e) = pool.free_raw(ptr, s) {
+        panic!("after record_use_raw on retired {side} (which gave {noted:?}) the free fails: {e}");
+    }
+}
