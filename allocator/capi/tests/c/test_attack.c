@@ -484,6 +484,39 @@ static void *work(void *arg) {
     return NULL;
 }
 
+/* While the workers run: release cached memory, move the maximum (never
+ * below what they need), wait for all streams, read and reset the
+ * statistics. None of it may fail a worker's call or touch live data. */
+struct trimmer {
+    tidepool_pool *pool;
+    volatile int *stop;
+    int bad;
+    int rounds;
+};
+
+static void *trim(void *arg) {
+    struct trimmer *t = arg;
+    while (!*t->stop || t->rounds < 50) {
+        tidepool_stats st;
+        uint64_t released = 0;
+        if (tidepool_trim_to(t->pool, 0, &released) != TIDEPOOL_OK)
+            t->bad++;
+        if (tidepool_set_max_size(t->pool, t->rounds % 2 ? 48 * MiB : 0) != TIDEPOOL_OK)
+            t->bad++;
+        if (t->rounds % 8 == 0 && tidepool_synchronize(t->pool) != TIDEPOOL_OK)
+            t->bad++;
+        if (tidepool_get_stats(t->pool, &st) != TIDEPOOL_OK)
+            t->bad++;
+        else if (st.used_high < st.used_current || st.reserved_high < st.reserved_current ||
+                 st.frees > st.allocs)
+            t->bad++;
+        if (t->rounds % 16 == 0 && tidepool_reset_peaks(t->pool) != TIDEPOOL_OK)
+            t->bad++;
+        t->rounds++;
+    }
+    return NULL;
+}
+
 static void threads(void) {
     tidepool_pool *pool = host_pool(64 * MiB, 0);
     pthread_t t[THREADS];
@@ -494,6 +527,10 @@ static void threads(void) {
         w[i].bad = 0;
         CHECK_STATUS(tidepool_stream_create(pool, &w[i].stream), TIDEPOOL_OK);
     }
+    volatile int stop = 0;
+    struct trimmer tr = {pool, &stop, 0, 0};
+    pthread_t tt;
+    pthread_create(&tt, NULL, trim, &tr);
     for (int i = 0; i < THREADS; i++)
         pthread_create(&t[i], NULL, work, &w[i]);
     for (int i = 0; i < THREADS; i++) {
@@ -501,6 +538,12 @@ static void threads(void) {
         if (w[i].bad)
             FAIL("thread %d saw %d failed calls or corrupted allocations", i, w[i].bad);
     }
+    stop = 1;
+    pthread_join(tt, NULL);
+    if (tr.bad)
+        FAIL("the trimming thread saw %d failed calls or inconsistent statistics in %d rounds",
+             tr.bad, tr.rounds);
+    CHECK_STATUS(tidepool_set_max_size(pool, 0), TIDEPOOL_OK);
     CHECK_STATUS(tidepool_synchronize(pool), TIDEPOOL_OK);
     tidepool_stats st;
     CHECK_STATUS(tidepool_get_stats(pool, &st), TIDEPOOL_OK);
