@@ -173,7 +173,8 @@ typedef struct tidepool_config {
 } tidepool_config;
 
 /**
- * A stream of a pool: an id the pool never reuses.
+ * A stream of a pool: a value the pool never reuses, and which no other
+ * pool accepts.
  */
 typedef uint64_t tidepool_stream;
 

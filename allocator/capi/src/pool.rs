@@ -152,6 +152,20 @@ pub(crate) struct PoolBody {
     zero_allocs: AtomicU64,
     /// A per-device default pool: lives for the whole process.
     is_default: bool,
+    /// This pool's mark in the top bits of the `tidepool_stream` values it
+    /// hands out (never 0). Stream ids are only unique within one device
+    /// object, so without it a stream of another pool on the same GPU
+    /// could silently name one of this pool's streams.
+    tag: u64,
+}
+
+/// Bits of a `tidepool_stream` that hold the pool's stream id.
+const STREAM_ID_BITS: u32 = 48;
+
+fn next_pool_tag() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    // 1..=0xffff, cycling: pools far apart in time may share a tag.
+    NEXT.fetch_add(1, Ordering::Relaxed) % 0xffff + 1
 }
 
 impl PoolBody {
@@ -182,7 +196,34 @@ impl PoolBody {
             cap: AtomicU64::new(NO_CAP),
             zero_allocs: AtomicU64::new(0),
             is_default,
+            tag: next_pool_tag(),
         })
+    }
+
+    /// The `tidepool_stream` value of one of this pool's streams.
+    fn stream_handle(&self, s: Stream) -> Result<tidepool_stream, Failure> {
+        if s.id() >> STREAM_ID_BITS != 0 {
+            return Err(Failure::new(
+                TIDEPOOL_ERROR_DEVICE,
+                format!("stream id {} is too large to hand out", s.id()),
+            ));
+        }
+        Ok(self.tag << STREAM_ID_BITS | s.id())
+    }
+
+    /// The stream a `tidepool_stream` value names, if this pool made it.
+    fn stream(&self, handle: tidepool_stream) -> Result<Stream, Failure> {
+        if handle >> STREAM_ID_BITS != self.tag {
+            return Err(Failure::new(
+                TIDEPOOL_ERROR_INVALID_STREAM,
+                format!(
+                    "stream {handle:#x} was not made by this pool (it is another pool's, \
+                     or not a tidepool_stream); use one from tidepool_stream_default, \
+                     tidepool_stream_create or tidepool_stream_from_raw on this pool"
+                ),
+            ));
+        }
+        Ok(Stream(handle & ((1 << STREAM_ID_BITS) - 1)))
     }
 
     pub(crate) fn stats(&self) -> PoolStats {
@@ -275,7 +316,8 @@ impl PoolBody {
     }
 }
 
-/// A stream of a pool: an id the pool never reuses.
+/// A stream of a pool: a value the pool never reuses, and which no other
+/// pool accepts.
 pub type tidepool_stream = u64;
 
 /// A snapshot of a pool's statistics.
@@ -577,7 +619,7 @@ pub extern "C" fn tidepool_stream_default(
     guard("tidepool_stream_default", || {
         let p = pool_ref(pool)?;
         let s = with_pool!(&p.pool, |x| x.device().default_stream());
-        write_out(out, s.id(), "out")
+        write_out(out, p.stream_handle(s)?, "out")
     })
 }
 
@@ -594,7 +636,7 @@ pub extern "C" fn tidepool_stream_create(
             return Err(Failure::null("out"));
         }
         let s = with_pool!(&p.pool, |x| x.device().create_stream())?;
-        write_out(out, s.id(), "out")
+        write_out(out, p.stream_handle(s)?, "out")
     })
 }
 
@@ -613,7 +655,7 @@ pub extern "C" fn tidepool_stream_from_raw(
             return Err(Failure::null("out"));
         }
         let s = p.streams.resolve(&p.pool, raw as usize)?;
-        write_out(out, s.id(), "out")
+        write_out(out, p.stream_handle(s)?, "out")
     })
 }
 
@@ -627,7 +669,7 @@ pub extern "C" fn tidepool_stream_retire(
 ) -> tidepool_status {
     guard("tidepool_stream_retire", || {
         let p = pool_ref(pool)?;
-        let s = Stream(stream);
+        let s = p.stream(stream)?;
         with_pool!(&p.pool, |x| {
             if s == x.device().default_stream() {
                 return Err(Failure::new(
@@ -668,7 +710,7 @@ pub extern "C" fn tidepool_alloc_async(
         if out.is_null() {
             return Err(Failure::null("out"));
         }
-        let ptr = p.alloc(size, Stream(stream))?;
+        let ptr = p.alloc(size, p.stream(stream)?)?;
         write_out(out, ptr as usize as *mut c_void, "out")
     })
 }
@@ -683,7 +725,7 @@ pub extern "C" fn tidepool_free_async(
 ) -> tidepool_status {
     guard("tidepool_free_async", || {
         let p = pool_ref(pool)?;
-        p.free(ptr as usize as u64, Stream(stream))?;
+        p.free(ptr as usize as u64, p.stream(stream)?)?;
         Ok(())
     })
 }
@@ -732,7 +774,7 @@ pub extern "C" fn tidepool_record_use(
 ) -> tidepool_status {
     guard("tidepool_record_use", || {
         let p = pool_ref(pool)?;
-        p.record_use(ptr as usize as u64, Stream(stream))?;
+        p.record_use(ptr as usize as u64, p.stream(stream)?)?;
         Ok(())
     })
 }
@@ -745,7 +787,8 @@ pub extern "C" fn tidepool_stream_synchronize(
 ) -> tidepool_status {
     guard("tidepool_stream_synchronize", || {
         let p = pool_ref(pool)?;
-        with_pool!(&p.pool, |x| x.synchronize_stream(Stream(stream)))?;
+        let s = p.stream(stream)?;
+        with_pool!(&p.pool, |x| x.synchronize_stream(s))?;
         Ok(())
     })
 }
