@@ -310,6 +310,17 @@ static void streams(void) {
     CHECK_STATUS(tidepool_free_async(pool, q, s1), TIDEPOOL_ERROR_INVALID_STREAM);
     CHECK_STATUS(tidepool_free_async(pool, q, s0), TIDEPOOL_OK);
 
+    /* A use on a retired stream of this pool: refused, and the allocation
+     * stays freeable. */
+    tidepool_stream s2;
+    CHECK_STATUS(tidepool_stream_create(pool, &s2), TIDEPOOL_OK);
+    CHECK_STATUS(tidepool_stream_retire(pool, s2), TIDEPOOL_OK);
+    void *u = NULL;
+    CHECK_STATUS(tidepool_alloc_async(pool, MiB, s0, &u), TIDEPOOL_OK);
+    CHECK_STATUS(tidepool_record_use(pool, u, s2), TIDEPOOL_ERROR_INVALID_STREAM);
+    CHECK_STATUS(tidepool_record_use(pool, u, s2 + 1000), TIDEPOOL_ERROR_INVALID_STREAM);
+    CHECK_STATUS(tidepool_free_async(pool, u, s0), TIDEPOOL_OK);
+
     /* Made-up ids. */
     const tidepool_stream bogus[] = {0xdeadbeef, UINT64_MAX, s1 + 1000};
     for (size_t i = 0; i < sizeof bogus / sizeof bogus[0]; i++) {
