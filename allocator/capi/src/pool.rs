@@ -495,6 +495,12 @@ fn default_slot(device: i32) -> Result<(&'static tidepool_pool, &'static PoolBod
     Ok(pair)
 }
 
+/// The default pool of CUDA device `device` if it was created.
+pub(crate) fn existing_default_pool(device: i32) -> Option<&'static PoolBody> {
+    let slot = default_slots().get(usize::try_from(device).ok()?)?;
+    slot.get().map(|(_, body)| *body)
+}
+
 /// Every default pool created so far.
 pub(crate) fn default_pools() -> impl Iterator<Item = &'static PoolBody> {
     default_slots()

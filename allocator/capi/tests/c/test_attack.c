@@ -700,6 +700,11 @@ static void default_pools_without_driver(void) {
                  TIDEPOOL_ERROR_INVALID_ARGUMENT);
     /* The hooks cannot fail loudly; they must not crash. */
     tidepool_torch_free(NULL, 0, 0, NULL);
+    /* A free for a device with no pool says the pointer is not tidepool's
+     * (and creates no pool to find that out). */
+    tidepool_torch_free((void *)0x1000, 64, 0, NULL);
+    if (strstr(tidepool_last_error(), "not allocated by tidepool") == NULL)
+        FAIL("tidepool_torch_free of a stray pointer: %s", tidepool_last_error());
     tidepool_torch_free((void *)0x1000, 64, -3, NULL);
     tidepool_torch_record_stream((void *)0x1000, NULL);
     tidepool_torch_reset();
