@@ -150,6 +150,8 @@ pub(crate) struct PoolBody {
     cap: AtomicU64,
     /// Size-0 allocations made (they give NULL, which is never freed).
     zero_allocs: AtomicU64,
+    /// Allocations refused for the runtime maximum (added to `ooms`).
+    cap_ooms: AtomicU64,
     /// A per-device default pool: lives for the whole process.
     is_default: bool,
     /// This pool's mark in the top bits of the `tidepool_stream` values it
@@ -195,6 +197,7 @@ impl PoolBody {
             streams: RawStreams::default(),
             cap: AtomicU64::new(NO_CAP),
             zero_allocs: AtomicU64::new(0),
+            cap_ooms: AtomicU64::new(0),
             is_default,
             tag: next_pool_tag(),
         })
@@ -276,6 +279,8 @@ impl PoolBody {
             p.synchronize()?;
             p.trim_to(cap)?;
             let st2 = p.stats();
+            // The pool counted none of this: the request succeeded there.
+            self.cap_ooms.fetch_add(1, Ordering::Relaxed);
             Err(PoolError::OutOfMemory(Box::new(OomReport {
                 requested: size,
                 reserved: st2.reserved_current,
@@ -374,7 +379,7 @@ pub(crate) fn c_stats(pool: &PoolBody) -> tidepool_stats {
         releases: s.releases,
         remaps: s.remaps,
         internal_dependencies: s.internal_dependencies,
-        ooms: s.ooms,
+        ooms: s.ooms + pool.cap_ooms.load(Ordering::Relaxed),
         raw_streams_adopted: pool.streams.adopted.load(Ordering::Relaxed),
         raw_streams_recycled: pool.streams.recycled.load(Ordering::Relaxed),
     }

@@ -436,6 +436,8 @@ static void trim_and_cap_under_live_memory(void) {
             FAIL("allocation %d changed by a refused allocation under a lowered maximum", i);
     CHECK_STATUS(tidepool_get_stats(pool, &st), TIDEPOOL_OK);
     CHECK(st.used_current == (N / 2) * 2 * MiB);
+    /* The refusal is an out-of-memory like any other. */
+    CHECK(st.ooms == 1);
     for (int i = 1; i < N; i += 2) {
         CHECK_STATUS(tidepool_free_async(pool, p[i], s), TIDEPOOL_OK);
         p[i] = NULL;
