@@ -99,6 +99,12 @@ typedef enum tidepool_backend {
 
 /**
  * An opaque pool handle.
+ *
+ * The handle itself is never freed: `tidepool_pool_destroy` frees the pool
+ * behind it and leaves the handle empty, so a call on a destroyed pool
+ * (a second destroy included) fails with a message instead of reading freed
+ * memory, and a pool created later never answers to an old handle. Each
+ * destroyed pool thus leaves one pointer-sized allocation behind.
  */
 typedef struct tidepool_pool tidepool_pool;
 
@@ -167,7 +173,8 @@ typedef struct tidepool_config {
 } tidepool_config;
 
 /**
- * A stream of a pool: an id the pool never reuses.
+ * A stream of a pool: a value the pool never reuses, and which no other
+ * pool accepts.
  */
 typedef uint64_t tidepool_stream;
 
@@ -192,11 +199,12 @@ typedef struct tidepool_stats {
    */
   uint64_t used_high;
   /**
-   * Allocations made (size 0 included).
+   * Allocations made (size-0 requests, which give NULL, not counted:
+   * `allocs - frees` is the number of live allocations).
    */
   uint64_t allocs;
   /**
-   * Frees made (size 0 included).
+   * Frees made (of non-NULL pointers).
    */
   uint64_t frees;
   /**
@@ -244,9 +252,10 @@ extern "C" {
 const char *tidepool_last_error(void);
 
 /**
- * A constant name for a status code ("TIDEPOOL_ERROR_OUT_OF_MEMORY"...).
+ * A constant name for a status code ("TIDEPOOL_ERROR_OUT_OF_MEMORY"...);
+ * "TIDEPOOL_UNKNOWN_STATUS" for a value that is not one.
  */
-const char *tidepool_status_string(enum tidepool_status status);
+const char *tidepool_status_string(int status);
 
 /**
  * Fill `config` with the defaults (CUDA device 0, no maximum, keep all
@@ -263,7 +272,10 @@ enum tidepool_status tidepool_pool_create(const struct tidepool_config *config,
 /**
  * Destroy a pool made by `tidepool_pool_create`. Its memory goes back to
  * the device; pointers from it must no longer be used (by the host or by
- * queued device work). Default pools cannot be destroyed.
+ * queued device work). Default pools cannot be destroyed. Later calls with
+ * the handle (a second destroy included) fail with
+ * `TIDEPOOL_ERROR_INVALID_ARGUMENT`; no other call on the pool may be
+ * running while it is destroyed.
  */
 enum tidepool_status tidepool_pool_destroy(struct tidepool_pool *pool);
 

@@ -2,7 +2,7 @@
 //! point runs its body in (no panic may unwind across `extern "C"`).
 
 use std::cell::RefCell;
-use std::ffi::{c_char, CString};
+use std::ffi::{c_char, c_int, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use tidepool_core::PoolError;
 use tidepool_sys::SysError;
@@ -154,13 +154,40 @@ pub extern "C" fn tidepool_last_error() -> *const c_char {
     catch_unwind(|| LAST_ERROR.with(|e| e.borrow().as_ptr())).unwrap_or(c"".as_ptr())
 }
 
-/// A constant name for a status code ("TIDEPOOL_ERROR_OUT_OF_MEMORY"...).
+/// A constant name for a status code ("TIDEPOOL_ERROR_OUT_OF_MEMORY"...);
+/// "TIDEPOOL_UNKNOWN_STATUS" for a value that is not one.
 #[no_mangle]
-pub extern "C" fn tidepool_status_string(status: tidepool_status) -> *const c_char {
+pub extern "C" fn tidepool_status_string(status: c_int) -> *const c_char {
+    // The parameter is an int, not the enum: C may pass any int value, and
+    // a Rust enum holding a value outside its variants is undefined
+    // behaviour (a status from a newer library, a file, a stray cast).
     catch_unwind(|| status_name(status).as_ptr()).unwrap_or(c"".as_ptr())
 }
 
-fn status_name(status: tidepool_status) -> &'static std::ffi::CStr {
+fn status_name(status: c_int) -> &'static std::ffi::CStr {
+    const ALL: [tidepool_status; 14] = [
+        TIDEPOOL_OK,
+        TIDEPOOL_ERROR_INVALID_ARGUMENT,
+        TIDEPOOL_ERROR_OUT_OF_MEMORY,
+        TIDEPOOL_ERROR_DOUBLE_FREE,
+        TIDEPOOL_ERROR_INVALID_POINTER,
+        TIDEPOOL_ERROR_WRONG_POOL,
+        TIDEPOOL_ERROR_INVALID_STREAM,
+        TIDEPOOL_ERROR_STREAM_CAPTURING,
+        TIDEPOOL_ERROR_DRIVER_UNAVAILABLE,
+        TIDEPOOL_ERROR_DEVICE,
+        TIDEPOOL_ERROR_UNSUPPORTED,
+        TIDEPOOL_ERROR_TOO_LARGE,
+        TIDEPOOL_ERROR_INVALID_STATE,
+        TIDEPOOL_ERROR_PANIC,
+    ];
+    match ALL.into_iter().find(|s| *s as c_int == status) {
+        Some(s) => known_status_name(s),
+        None => c"TIDEPOOL_UNKNOWN_STATUS",
+    }
+}
+
+fn known_status_name(status: tidepool_status) -> &'static std::ffi::CStr {
     match status {
         TIDEPOOL_OK => c"TIDEPOOL_OK",
         TIDEPOOL_ERROR_INVALID_ARGUMENT => c"TIDEPOOL_ERROR_INVALID_ARGUMENT",

@@ -2,8 +2,8 @@
 
 use crate::error::{guard, tidepool_status, Failure};
 use crate::streams::RawStreams;
-use std::ffi::c_void;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::ffi::{c_int, c_void};
+use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use tidepool_core::{Device, MemPool, OomReport, PoolConfig, PoolError, PoolStats, ReusePolicy};
 use tidepool_sys::cuda::CudaDevice;
@@ -130,17 +130,47 @@ macro_rules! with_pool {
 const NO_CAP: u64 = u64::MAX;
 
 /// An opaque pool handle.
+///
+/// The handle itself is never freed: `tidepool_pool_destroy` frees the pool
+/// behind it and leaves the handle empty, so a call on a destroyed pool
+/// (a second destroy included) fails with a message instead of reading freed
+/// memory, and a pool created later never answers to an old handle. Each
+/// destroyed pool thus leaves one pointer-sized allocation behind.
 pub struct tidepool_pool {
+    /// The pool; null once destroyed.
+    body: AtomicPtr<PoolBody>,
+}
+
+/// A pool and what the C ABI keeps with it.
+pub(crate) struct PoolBody {
     pub(crate) pool: AnyPool,
     pub(crate) streams: RawStreams,
     /// Runtime maximum of reserved bytes (`tidepool_set_max_size`), on top
     /// of the maximum the pool was created with. `NO_CAP` when unset.
     cap: AtomicU64,
+    /// Size-0 allocations made (they give NULL, which is never freed).
+    zero_allocs: AtomicU64,
+    /// Allocations refused for the runtime maximum (added to `ooms`).
+    cap_ooms: AtomicU64,
     /// A per-device default pool: lives for the whole process.
     is_default: bool,
+    /// This pool's mark in the top bits of the `tidepool_stream` values it
+    /// hands out (never 0). Stream ids are only unique within one device
+    /// object, so without it a stream of another pool on the same GPU
+    /// could silently name one of this pool's streams.
+    tag: u64,
 }
 
-impl tidepool_pool {
+/// Bits of a `tidepool_stream` that hold the pool's stream id.
+const STREAM_ID_BITS: u32 = 48;
+
+fn next_pool_tag() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    // 1..=0xffff, cycling: pools far apart in time may share a tag.
+    NEXT.fetch_add(1, Ordering::Relaxed) % 0xffff + 1
+}
+
+impl PoolBody {
     fn create(config: &tidepool_config, is_default: bool) -> Result<Self, Failure> {
         let pc = config.pool_config()?;
         let pool = match config.backend {
@@ -162,12 +192,41 @@ impl tidepool_pool {
                 AnyPool::Host(MemPool::new(Arc::new(dev), pc)?)
             }
         };
-        Ok(tidepool_pool {
+        Ok(PoolBody {
             pool,
             streams: RawStreams::default(),
             cap: AtomicU64::new(NO_CAP),
+            zero_allocs: AtomicU64::new(0),
+            cap_ooms: AtomicU64::new(0),
             is_default,
+            tag: next_pool_tag(),
         })
+    }
+
+    /// The `tidepool_stream` value of one of this pool's streams.
+    fn stream_handle(&self, s: Stream) -> Result<tidepool_stream, Failure> {
+        if s.id() >> STREAM_ID_BITS != 0 {
+            return Err(Failure::new(
+                TIDEPOOL_ERROR_DEVICE,
+                format!("stream id {} is too large to hand out", s.id()),
+            ));
+        }
+        Ok(self.tag << STREAM_ID_BITS | s.id())
+    }
+
+    /// The stream a `tidepool_stream` value names, if this pool made it.
+    fn stream(&self, handle: tidepool_stream) -> Result<Stream, Failure> {
+        if handle >> STREAM_ID_BITS != self.tag {
+            return Err(Failure::new(
+                TIDEPOOL_ERROR_INVALID_STREAM,
+                format!(
+                    "stream {handle:#x} was not made by this pool (it is another pool's, \
+                     or not a tidepool_stream); use one from tidepool_stream_default, \
+                     tidepool_stream_create or tidepool_stream_from_raw on this pool"
+                ),
+            ));
+        }
+        Ok(Stream(handle & ((1 << STREAM_ID_BITS) - 1)))
     }
 
     pub(crate) fn stats(&self) -> PoolStats {
@@ -199,6 +258,11 @@ impl tidepool_pool {
     pub(crate) fn alloc(&self, size: usize, stream: Stream) -> Result<u64, PoolError> {
         with_pool!(&self.pool, |p| {
             let ptr = p.alloc_raw(size, stream)?;
+            if size == 0 {
+                // NULL is never freed, so a size-0 request is not counted
+                // as an allocation in the statistics (see `c_stats`).
+                self.zero_allocs.fetch_add(1, Ordering::Relaxed);
+            }
             let cap = self.cap.load(Ordering::Relaxed);
             if cap == NO_CAP || size == 0 || p.stats().reserved_current <= cap {
                 return Ok(ptr);
@@ -215,6 +279,8 @@ impl tidepool_pool {
             p.synchronize()?;
             p.trim_to(cap)?;
             let st2 = p.stats();
+            // The pool counted none of this: the request succeeded there.
+            self.cap_ooms.fetch_add(1, Ordering::Relaxed);
             Err(PoolError::OutOfMemory(Box::new(OomReport {
                 requested: size,
                 reserved: st2.reserved_current,
@@ -231,8 +297,15 @@ impl tidepool_pool {
         with_pool!(&self.pool, |p| p.free_raw(ptr, stream))
     }
 
+    /// Declare a use of `ptr` on `stream`. The stream is checked first: the
+    /// pool itself only notes the stream, and its free would then try to
+    /// record an event on a stream that does not exist, fail, and leave the
+    /// allocation impossible to free.
     pub(crate) fn record_use(&self, ptr: u64, stream: Stream) -> Result<(), PoolError> {
-        with_pool!(&self.pool, |p| p.record_use_raw(ptr, stream))
+        with_pool!(&self.pool, |p| {
+            p.device().is_capturing(stream)?;
+            p.record_use_raw(ptr, stream)
+        })
     }
 
     pub(crate) fn synchronize(&self) -> Result<(), PoolError> {
@@ -248,7 +321,8 @@ impl tidepool_pool {
     }
 }
 
-/// A stream of a pool: an id the pool never reuses.
+/// A stream of a pool: a value the pool never reuses, and which no other
+/// pool accepts.
 pub type tidepool_stream = u64;
 
 /// A snapshot of a pool's statistics.
@@ -263,9 +337,10 @@ pub struct tidepool_stats {
     pub used_current: u64,
     /// Highest `used_current` since creation or the last peak reset.
     pub used_high: u64,
-    /// Allocations made (size 0 included).
+    /// Allocations made (size-0 requests, which give NULL, not counted:
+    /// `allocs - frees` is the number of live allocations).
     pub allocs: u64,
-    /// Frees made (size 0 included).
+    /// Frees made (of non-NULL pointers).
     pub frees: u64,
     /// Allocations served from the allocating stream's own cache.
     pub cache_hits: u64,
@@ -285,21 +360,26 @@ pub struct tidepool_stats {
     pub raw_streams_recycled: u64,
 }
 
-pub(crate) fn c_stats(pool: &tidepool_pool) -> tidepool_stats {
+pub(crate) fn c_stats(pool: &PoolBody) -> tidepool_stats {
+    // Read before the snapshot: a size-0 request counts in the pool's
+    // statistics before it counts here, so `allocs` is never too low.
+    let zero_allocs = pool.zero_allocs.load(Ordering::Relaxed);
     let s = pool.stats();
     tidepool_stats {
         reserved_current: s.reserved_current,
         reserved_high: s.reserved_high,
         used_current: s.used_current,
         used_high: s.used_high,
-        allocs: s.allocs,
+        // Size-0 requests give NULL, and freeing NULL does nothing, so they
+        // are left out: `allocs - frees` is the number of live allocations.
+        allocs: s.allocs.saturating_sub(zero_allocs),
         frees: s.frees,
         cache_hits: s.cache_hits,
         growths: s.growths,
         releases: s.releases,
         remaps: s.remaps,
         internal_dependencies: s.internal_dependencies,
-        ooms: s.ooms,
+        ooms: s.ooms + pool.cap_ooms.load(Ordering::Relaxed),
         raw_streams_adopted: pool.streams.adopted.load(Ordering::Relaxed),
         raw_streams_recycled: pool.streams.recycled.load(Ordering::Relaxed),
     }
@@ -308,10 +388,53 @@ pub(crate) fn c_stats(pool: &tidepool_pool) -> tidepool_stats {
 // ---------------------------------------------------------------------------
 // helpers for entry points
 
-pub(crate) fn pool_ref<'a>(pool: *const tidepool_pool) -> Result<&'a tidepool_pool, Failure> {
+fn destroyed() -> Failure {
+    Failure::new(
+        TIDEPOOL_ERROR_INVALID_ARGUMENT,
+        "the pool was destroyed; create a new one with tidepool_pool_create",
+    )
+}
+
+pub(crate) fn pool_ref<'a>(pool: *const tidepool_pool) -> Result<&'a PoolBody, Failure> {
     // SAFETY: the C contract: `pool` is NULL or a handle from
-    // tidepool_pool_create / tidepool_default_pool not yet destroyed.
-    unsafe { pool.as_ref() }.ok_or_else(|| Failure::null("pool"))
+    // tidepool_pool_create / tidepool_default_pool. Handles are never
+    // freed, so even the handle of a destroyed pool is readable.
+    let handle = unsafe { pool.as_ref() }.ok_or_else(|| Failure::null("pool"))?;
+    let body = handle.body.load(Ordering::Acquire);
+    // SAFETY: a non-null body is live until tidepool_pool_destroy empties
+    // the handle, and the C contract forbids destroying a pool while other
+    // calls on it are running.
+    unsafe { body.as_ref() }.ok_or_else(destroyed)
+}
+
+/// Read a C caller's configuration. The backend is checked as a plain int
+/// before the struct is read as Rust: C may store any int in an enum field,
+/// and a Rust enum holding a value outside its variants is undefined
+/// behaviour.
+fn read_config(config: *const tidepool_config) -> Result<tidepool_config, Failure> {
+    if config.is_null() {
+        return Err(Failure::null("config"));
+    }
+    // SAFETY: non-null and, by the C contract, a readable tidepool_config;
+    // the field is read as the C int it is in C (repr(C) enums are ints),
+    // through a raw pointer, without making a reference to the struct.
+    let backend = unsafe { std::ptr::addr_of!((*config).backend).cast::<c_int>().read() };
+    let known = [
+        tidepool_backend::TIDEPOOL_BACKEND_CUDA,
+        tidepool_backend::TIDEPOOL_BACKEND_HOST,
+    ];
+    if !known.iter().any(|b| *b as c_int == backend) {
+        return Err(Failure::new(
+            TIDEPOOL_ERROR_INVALID_ARGUMENT,
+            format!(
+                "config backend {backend} is not a tidepool_backend; use \
+                 TIDEPOOL_BACKEND_CUDA or TIDEPOOL_BACKEND_HOST"
+            ),
+        ));
+    }
+    // SAFETY: as above, and every field now holds a valid value (the
+    // other fields are integers and C `bool`s).
+    Ok(unsafe { config.read() })
 }
 
 pub(crate) fn write_out<T>(out: *mut T, value: T, what: &str) -> Result<(), Failure> {
@@ -328,9 +451,11 @@ pub(crate) fn write_out<T>(out: *mut T, value: T, what: &str) -> Result<(), Fail
 
 const MAX_DEVICES: usize = 64;
 
-fn default_slots() -> &'static [OnceLock<&'static tidepool_pool>; MAX_DEVICES] {
-    static SLOTS: [OnceLock<&'static tidepool_pool>; MAX_DEVICES] =
-        [const { OnceLock::new() }; MAX_DEVICES];
+/// A default pool and the handle C callers get for it.
+type DefaultSlot = OnceLock<(&'static tidepool_pool, &'static PoolBody)>;
+
+fn default_slots() -> &'static [DefaultSlot; MAX_DEVICES] {
+    static SLOTS: [DefaultSlot; MAX_DEVICES] = [const { OnceLock::new() }; MAX_DEVICES];
     &SLOTS
 }
 
@@ -341,7 +466,11 @@ fn default_config() -> &'static Mutex<(tidepool_config, bool)> {
 
 /// The default pool of CUDA device `device`, created on first use with the
 /// configuration of `tidepool_set_default_config` (or the defaults).
-pub(crate) fn default_pool(device: i32) -> Result<&'static tidepool_pool, Failure> {
+pub(crate) fn default_pool(device: i32) -> Result<&'static PoolBody, Failure> {
+    default_slot(device).map(|(_, body)| body)
+}
+
+fn default_slot(device: i32) -> Result<(&'static tidepool_pool, &'static PoolBody), Failure> {
     let slot = usize::try_from(device)
         .ok()
         .and_then(|d| default_slots().get(d))
@@ -352,23 +481,36 @@ pub(crate) fn default_pool(device: i32) -> Result<&'static tidepool_pool, Failur
             )
         })?;
     if let Some(p) = slot.get() {
-        return Ok(p);
+        return Ok(*p);
     }
     let mut cfg = default_config().lock().unwrap_or_else(|e| e.into_inner());
     if let Some(p) = slot.get() {
-        return Ok(p);
+        return Ok(*p);
     }
     let mut c = cfg.0;
     c.device = device;
-    let pool: &'static tidepool_pool = Box::leak(Box::new(tidepool_pool::create(&c, true)?));
+    // Both live for the whole process: default pools are never destroyed.
+    let body: &'static mut PoolBody = Box::leak(Box::new(PoolBody::create(&c, true)?));
+    let handle: &'static tidepool_pool = Box::leak(Box::new(tidepool_pool {
+        body: AtomicPtr::new(body as *mut PoolBody),
+    }));
+    let pair = (handle, &*body);
     cfg.1 = true;
-    let _ = slot.set(pool);
-    Ok(pool)
+    let _ = slot.set(pair);
+    Ok(pair)
+}
+
+/// The default pool of CUDA device `device` if it was created.
+pub(crate) fn existing_default_pool(device: i32) -> Option<&'static PoolBody> {
+    let slot = default_slots().get(usize::try_from(device).ok()?)?;
+    slot.get().map(|(_, body)| *body)
 }
 
 /// Every default pool created so far.
-pub(crate) fn default_pools() -> impl Iterator<Item = &'static tidepool_pool> {
-    default_slots().iter().filter_map(|s| s.get().copied())
+pub(crate) fn default_pools() -> impl Iterator<Item = &'static PoolBody> {
+    default_slots()
+        .iter()
+        .filter_map(|s| s.get().map(|(_, body)| *body))
 }
 
 // ---------------------------------------------------------------------------
@@ -390,19 +532,24 @@ pub extern "C" fn tidepool_pool_create(
     out: *mut *mut tidepool_pool,
 ) -> tidepool_status {
     guard("tidepool_pool_create", || {
-        // SAFETY: the C contract: NULL or a valid, initialised config.
-        let c = unsafe { config.as_ref() }.ok_or_else(|| Failure::null("config"))?;
+        let c = read_config(config)?;
         if out.is_null() {
             return Err(Failure::null("out"));
         }
-        let pool = Box::into_raw(Box::new(tidepool_pool::create(c, false)?));
-        write_out(out, pool, "out")
+        let body = Box::into_raw(Box::new(PoolBody::create(&c, false)?));
+        let handle = Box::into_raw(Box::new(tidepool_pool {
+            body: AtomicPtr::new(body),
+        }));
+        write_out(out, handle, "out")
     })
 }
 
 /// Destroy a pool made by `tidepool_pool_create`. Its memory goes back to
 /// the device; pointers from it must no longer be used (by the host or by
-/// queued device work). Default pools cannot be destroyed.
+/// queued device work). Default pools cannot be destroyed. Later calls with
+/// the handle (a second destroy included) fail with
+/// `TIDEPOOL_ERROR_INVALID_ARGUMENT`; no other call on the pool may be
+/// running while it is destroyed.
 #[no_mangle]
 pub extern "C" fn tidepool_pool_destroy(pool: *mut tidepool_pool) -> tidepool_status {
     guard("tidepool_pool_destroy", || {
@@ -413,9 +560,17 @@ pub extern "C" fn tidepool_pool_destroy(pool: *mut tidepool_pool) -> tidepool_st
                 "a default pool lives for the whole process and cannot be destroyed",
             ));
         }
-        // SAFETY: created by Box::into_raw in tidepool_pool_create and, by
-        // the C contract, destroyed once.
-        drop(unsafe { Box::from_raw(pool) });
+        // SAFETY: pool_ref found a live handle (non-null, never freed).
+        let handle = unsafe { &*pool };
+        let body = handle.body.swap(std::ptr::null_mut(), Ordering::AcqRel);
+        if body.is_null() {
+            // Another thread destroyed it between the two reads.
+            return Err(destroyed());
+        }
+        // SAFETY: the body was made by Box::into_raw in
+        // tidepool_pool_create, and the swap above took it out of the
+        // handle, so only this call frees it. The handle stays allocated.
+        drop(unsafe { Box::from_raw(body) });
         Ok(())
     })
 }
@@ -426,8 +581,7 @@ pub extern "C" fn tidepool_pool_destroy(pool: *mut tidepool_pool) -> tidepool_st
 #[no_mangle]
 pub extern "C" fn tidepool_set_default_config(config: *const tidepool_config) -> tidepool_status {
     guard("tidepool_set_default_config", || {
-        // SAFETY: the C contract: NULL or a valid, initialised config.
-        let c = unsafe { config.as_ref() }.ok_or_else(|| Failure::null("config"))?;
+        let c = read_config(config)?;
         if c.backend != tidepool_backend::TIDEPOOL_BACKEND_CUDA {
             return Err(Failure::new(
                 TIDEPOOL_ERROR_INVALID_ARGUMENT,
@@ -442,7 +596,7 @@ pub extern "C" fn tidepool_set_default_config(config: *const tidepool_config) ->
                 "a default pool already exists; configure before the first allocation",
             ));
         }
-        cfg.0 = *c;
+        cfg.0 = c;
         Ok(())
     })
 }
@@ -458,8 +612,12 @@ pub extern "C" fn tidepool_default_pool(
         if out.is_null() {
             return Err(Failure::null("out"));
         }
-        let p = default_pool(device)?;
-        write_out(out, p as *const tidepool_pool as *mut tidepool_pool, "out")
+        let (handle, _) = default_slot(device)?;
+        write_out(
+            out,
+            handle as *const tidepool_pool as *mut tidepool_pool,
+            "out",
+        )
     })
 }
 
@@ -472,7 +630,7 @@ pub extern "C" fn tidepool_stream_default(
     guard("tidepool_stream_default", || {
         let p = pool_ref(pool)?;
         let s = with_pool!(&p.pool, |x| x.device().default_stream());
-        write_out(out, s.id(), "out")
+        write_out(out, p.stream_handle(s)?, "out")
     })
 }
 
@@ -489,7 +647,7 @@ pub extern "C" fn tidepool_stream_create(
             return Err(Failure::null("out"));
         }
         let s = with_pool!(&p.pool, |x| x.device().create_stream())?;
-        write_out(out, s.id(), "out")
+        write_out(out, p.stream_handle(s)?, "out")
     })
 }
 
@@ -508,7 +666,7 @@ pub extern "C" fn tidepool_stream_from_raw(
             return Err(Failure::null("out"));
         }
         let s = p.streams.resolve(&p.pool, raw as usize)?;
-        write_out(out, s.id(), "out")
+        write_out(out, p.stream_handle(s)?, "out")
     })
 }
 
@@ -522,7 +680,7 @@ pub extern "C" fn tidepool_stream_retire(
 ) -> tidepool_status {
     guard("tidepool_stream_retire", || {
         let p = pool_ref(pool)?;
-        let s = Stream(stream);
+        let s = p.stream(stream)?;
         with_pool!(&p.pool, |x| {
             if s == x.device().default_stream() {
                 return Err(Failure::new(
@@ -563,7 +721,7 @@ pub extern "C" fn tidepool_alloc_async(
         if out.is_null() {
             return Err(Failure::null("out"));
         }
-        let ptr = p.alloc(size, Stream(stream))?;
+        let ptr = p.alloc(size, p.stream(stream)?)?;
         write_out(out, ptr as usize as *mut c_void, "out")
     })
 }
@@ -578,7 +736,7 @@ pub extern "C" fn tidepool_free_async(
 ) -> tidepool_status {
     guard("tidepool_free_async", || {
         let p = pool_ref(pool)?;
-        p.free(ptr as usize as u64, Stream(stream))?;
+        p.free(ptr as usize as u64, p.stream(stream)?)?;
         Ok(())
     })
 }
@@ -627,7 +785,7 @@ pub extern "C" fn tidepool_record_use(
 ) -> tidepool_status {
     guard("tidepool_record_use", || {
         let p = pool_ref(pool)?;
-        p.record_use(ptr as usize as u64, Stream(stream))?;
+        p.record_use(ptr as usize as u64, p.stream(stream)?)?;
         Ok(())
     })
 }
@@ -640,7 +798,8 @@ pub extern "C" fn tidepool_stream_synchronize(
 ) -> tidepool_status {
     guard("tidepool_stream_synchronize", || {
         let p = pool_ref(pool)?;
-        with_pool!(&p.pool, |x| x.synchronize_stream(Stream(stream)))?;
+        let s = p.stream(stream)?;
+        with_pool!(&p.pool, |x| x.synchronize_stream(s))?;
         Ok(())
     })
 }

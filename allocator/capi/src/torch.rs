@@ -25,7 +25,9 @@
 //! shim throws as a `RuntimeError` naming the cause; it never returns NULL.
 
 use crate::error::{guard, tidepool_status, Failure};
-use crate::pool::{c_stats, default_pool, default_pools, tidepool_stats, write_out};
+use crate::pool::{
+    c_stats, default_pool, default_pools, existing_default_pool, tidepool_stats, write_out,
+};
 use std::ffi::c_void;
 use tidepool_core::PoolError;
 
@@ -109,7 +111,21 @@ pub extern "C" fn tidepool_torch_free(
     stream: *mut c_void,
 ) {
     let status = guard("tidepool_torch_free", || {
-        let pool = default_pool(device)?;
+        if ptr.is_null() {
+            return Ok(());
+        }
+        // Never create a pool to free into: that would reserve address
+        // space and fix the default configuration for a pointer that
+        // cannot be one of its allocations.
+        let pool = existing_default_pool(device).ok_or_else(|| {
+            Failure::new(
+                TIDEPOOL_ERROR_INVALID_POINTER,
+                format!(
+                    "{:#x} was not allocated by tidepool: device {device} has no pool yet",
+                    ptr as usize
+                ),
+            )
+        })?;
         let s = pool.streams.resolve(&pool.pool, stream as usize)?;
         pool.free(ptr as usize as u64, s)?;
         Ok(())

@@ -112,6 +112,43 @@ _allocator = None
 _hooks: List[str] = []
 
 
+def _torch():
+    """PyTorch, or an ImportError that says what is missing and what to do."""
+    try:
+        import torch
+    except ImportError as e:
+        raise ImportError(
+            "tidepool_torch needs PyTorch with CUDA, which could not be imported "
+            f"({e}); install PyTorch (https://pytorch.org) in this environment, "
+            "or use libtidepool through its C API without it"
+        ) from e
+    return torch
+
+
+_BOOL_KEYS = {
+    "follow_event_dependencies",
+    "opportunistic",
+    "internal_dependencies",
+    "wait_for_pending_frees",
+    "check_capture",
+}
+
+
+def _checked_option(key: str, value):
+    """A config value as ctypes will store it, refusing what it would
+    silently change (ctypes wraps -1 to 2**64 - 1 and takes any truthy
+    object as true)."""
+    if key in _BOOL_KEYS:
+        if not isinstance(value, bool):
+            raise TypeError(f"tidepool option {key} must be True or False, not {value!r}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"tidepool option {key} must be an int (bytes), not {value!r}")
+    if not 0 <= value < 1 << 64:
+        raise ValueError(f"tidepool option {key} must be within 0..2**64-1 bytes, not {value}")
+    return value
+
+
 def _candidates() -> List[Path]:
     here = Path(__file__).resolve().parent
     found = []
@@ -182,9 +219,10 @@ def install(library: Optional[str] = None, **config) -> None:
     unknown = set(config) - _CONFIG_KEYS
     if unknown:
         raise TypeError(f"unknown tidepool option(s): {', '.join(sorted(unknown))}")
+    checked = {key: _checked_option(key, value) for key, value in config.items()}
     if _allocator is not None:
         raise RuntimeError("tidepool_torch.install() was already called in this process")
-    import torch
+    torch = _torch()
 
     if torch.cuda.is_initialized():
         raise RuntimeError(
@@ -195,7 +233,7 @@ def install(library: Optional[str] = None, **config) -> None:
     lib = _load(library)
     cfg = _Config()
     _check(lib.tidepool_config_init(ctypes.byref(cfg)), "tidepool_config_init")
-    for key, value in config.items():
+    for key, value in checked.items():
         setattr(cfg, key, value)
     _check(lib.tidepool_set_default_config(ctypes.byref(cfg)), "tidepool_set_default_config")
 
@@ -225,12 +263,11 @@ def installed_hooks() -> List[str]:
 
 
 def _device_index(device) -> int:
-    import torch
-
+    if isinstance(device, int) and not isinstance(device, bool):
+        return device
+    torch = _torch()
     if device is None:
         return torch.cuda.current_device()
-    if isinstance(device, int):
-        return device
     return torch.device(device).index or 0
 
 
