@@ -394,8 +394,13 @@ impl<D: Device> MemPool<D> {
                 })
             }
         };
-        if inner.config.check_capture && inner.device.is_capturing(stream)? {
-            return Err(PoolError::StreamCapturing { stream });
+        if inner.config.check_capture {
+            if inner.device.is_capturing(stream)? {
+                return Err(PoolError::StreamCapturing { stream });
+            }
+        } else {
+            // No capture check, but still no destroyed or foreign stream.
+            inner.device.check_stream(stream)?;
         }
         let alloc_at = |offset: usize| Allocation {
             ptr: inner.base + offset as u64,
@@ -462,11 +467,21 @@ impl<D: Device> MemPool<D> {
                 Ok(true) => return fail(PoolError::StreamCapturing { stream }, allocation),
                 Err(e) => return fail(e.into(), allocation),
             }
+        } else if let Err(e) = inner.device.check_stream(stream) {
+            return fail(e.into(), allocation);
         }
         // Declared uses on other streams: the freeing stream waits for them,
-        // so the free's own epoch covers them.
+        // so the free's own epoch covers them. A user stream destroyed
+        // since (without retirement) can no longer be waited for by event:
+        // its queued work still runs, and only a device-wide wait sees it
+        // end, as for the frees of such a stream.
+        let mut gone_user = None;
         for &user in &allocation.uses {
             if user == stream {
+                continue;
+            }
+            if inner.reach(user) == Reach::Gone {
+                gone_user = Some(user);
                 continue;
             }
             let ordered = self
@@ -478,6 +493,12 @@ impl<D: Device> MemPool<D> {
         }
         let offset = (allocation.ptr - inner.base) as usize;
         let (len, size) = (allocation.len, allocation.size as u64);
+        if let Some(user) = gone_user {
+            if let Err(e) = inner.free_after_gone_user(stream, user, offset, len, size) {
+                return fail(e, allocation);
+            }
+            return Ok(());
+        }
         let stashed = match inner
             .with_recent_entry(stream, |e| inner.stash_free(e, stream, offset, len, size))
         {
@@ -815,6 +836,52 @@ impl<D: Device> PoolInner<D> {
         } else {
             Ok(Some(epoch))
         }
+    }
+
+    /// A free whose declared user stream `user` was destroyed without
+    /// retirement: counted on the freeing stream, and guarded by an epoch
+    /// of `user` closed with no event, which completes only by a
+    /// device-wide wait ([`Self::settle_orphans`]). That wait also covers
+    /// the freeing stream's work before the free, so the one guard is
+    /// enough.
+    fn free_after_gone_user(
+        &self,
+        stream: Stream,
+        user: Stream,
+        offset: usize,
+        len: usize,
+        size: u64,
+    ) -> Result<(), PoolError> {
+        let entry = self.entry(stream)?;
+        let user_entry = self.entry(user)?;
+        let mut arena = lock(&self.arena);
+        {
+            let mut st = lock(&entry.state);
+            if st.retired {
+                return Err(PoolError::StreamRetired { stream });
+            }
+            self.counters.on_free(&mut st.counters, size);
+        }
+        let epoch = {
+            let mut u = lock(&user_entry.state);
+            u.frees_in_epoch = true;
+            u.close_epoch_orphaned();
+            u.orphaned.expect("an epoch with a free was just closed")
+        };
+        arena.arena.give_back(
+            offset,
+            len,
+            Guard::After {
+                stream: user.id(),
+                epoch,
+            },
+        );
+        tracing::debug!(
+            pool = self.id,
+            %user,
+            "free after its declared user stream was destroyed: reusable after a device-wide wait"
+        );
+        Ok(())
     }
 
     pub(crate) fn reach(&self, stream: Stream) -> Reach {

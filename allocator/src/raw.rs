@@ -37,6 +37,8 @@ impl<D: Device> MemPool<D> {
     /// A pointer that is not live gets a typed error and changes nothing.
     pub fn free_raw(&self, ptr: DevicePtr, stream: Stream) -> Result<(), PoolError> {
         if ptr == 0 {
+            // The free of `alloc_raw(0)`, counted as such.
+            crate::stats::Counters::bump(&self.inner.counters.zero_frees);
             return Ok(());
         }
         let table = &self.inner.raw;
