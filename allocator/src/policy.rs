@@ -1032,7 +1032,10 @@ fn window_donors(
 ) -> Vec<(u64, u64)> {
     let mut donors: Vec<(u64, u64)> = Vec::new();
     for &(o, r) in run {
-        if o + r.len <= s || o >= s + len || st.classify(r.guard, me, clock, reuse).is_some() {
+        if o >= s + len {
+            break;
+        }
+        if o + r.len <= s || st.classify(r.guard, me, clock, reuse).is_some() {
             continue;
         }
         let Guard::After { stream, epoch } = r.guard else {
