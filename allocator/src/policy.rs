@@ -10,8 +10,11 @@
 //! 5. growth: new physical pages, mapped in place;
 //! 6. on growth failure, other pools of the device release their cached
 //!    memory, then growth again;
-//! 7. internal dependency: the stream waits for a pending free and takes it;
-//! 8. last resort: wait on the host, bounded, for pending frees;
+//! 7. internal dependency: the stream waits for the pending frees (of one
+//!    stream or several) in a run of adjacent free ranges, and takes it;
+//! 8. last resort: wait on the host, bounded, with no lock held, for
+//!    pending frees (the allocating stream's own too: joining them into one
+//!    range remaps their pages), then steps 1–5 and 7 again;
 //! 9. out-of-memory.
 //!
 //! Map, unmap and release act immediately, not in stream order, so steps 4,
