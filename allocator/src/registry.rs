@@ -112,7 +112,6 @@ mod imp {
 
 #[cfg(loom)]
 mod imp {
-    pub fn default_pool() {}
     use super::*;
     pub(crate) fn register<D: Device>(_: &crate::sync::Arc<PoolInner<D>>) {}
     pub(crate) fn unregister(_: u64) {}
@@ -124,5 +123,6 @@ mod imp {
     }
 }
 
+#[cfg(not(loom))]
 pub use imp::default_pool;
 pub(crate) use imp::{owner_of, register, release_other_pools, unregister};
