@@ -83,6 +83,15 @@ fn spin_orders_later_work() {
 }
 
 #[test]
+fn streams_do_not_wait_for_each_other() {
+    let Some(gpu) = setup("streams_do_not_wait_for_each_other") else {
+        return;
+    };
+    let (dev, k) = (&*gpu.dev, &*gpu.k);
+    common::streams_do_not_wait_for_each_other(dev, k);
+}
+
+#[test]
 fn spin_takes_its_time() {
     let Some(gpu) = setup("spin_takes_its_time") else {
         return;
