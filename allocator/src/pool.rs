@@ -888,6 +888,11 @@ impl<D: Device> PoolInner<D> {
         match self.device.is_capturing(stream) {
             Ok(false) => Reach::Live,
             Err(SysError::InvalidHandle { what: "stream", .. }) => Reach::Gone,
+            // Another device's stream: the pool never freed anything on it
+            // (its calls refuse such a stream before they count a free), so
+            // there is nothing of it to wait for, and it must not hold up
+            // the device-wide wait for destroyed streams.
+            Err(SysError::ForeignHandle { what: "stream", .. }) => Reach::Gone,
             Ok(true) | Err(_) => Reach::Untouchable,
         }
     }

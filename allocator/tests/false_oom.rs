@@ -444,3 +444,33 @@ fn a_stream_of_another_device_is_refused() {
         assert_eq!(pool.stats().allocs, 1);
     }
 }
+
+/// Rule: a failed call on another device's stream leaves nothing behind
+/// that holds up the pool: synchronising, and settling the frees of a
+/// stream destroyed without retirement, still work.
+#[test]
+fn a_failed_call_on_a_foreign_stream_does_not_hold_up_the_pool() {
+    let (d1, d2) = (Arc::new(host()), Arc::new(host()));
+    let pool = pool(&d1, config().with_max_size(2 * MIB as u64));
+    let foreign = d2.create_stream().unwrap();
+    let err = pool.record_event(foreign).unwrap_err();
+    assert!(
+        matches!(err, PoolError::Device(SysError::ForeignHandle { .. })),
+        "{err:?}"
+    );
+    // A stream destroyed with a free pending: its memory comes back after
+    // the device-wide wait of a synchronisation.
+    let s = d1.create_stream().unwrap();
+    let x = pool.alloc_async(2 * MIB, s).unwrap();
+    pool.free_async(x, s).unwrap();
+    d1.destroy_stream(s).unwrap();
+    pool.synchronize().unwrap();
+    let t = d1.create_stream().unwrap();
+    let mut off = pool.reuse();
+    off.internal_dependencies = false;
+    off.wait_for_pending_frees = false;
+    off.opportunistic = false;
+    pool.set_reuse(off);
+    let y = pool.alloc_async(2 * MIB, t).unwrap();
+    pool.free_async(y, t).unwrap();
+}
