@@ -888,11 +888,6 @@ impl<D: Device> PoolInner<D> {
         match self.device.is_capturing(stream) {
             Ok(false) => Reach::Live,
             Err(SysError::InvalidHandle { what: "stream", .. }) => Reach::Gone,
-            // Another device's stream: the pool never freed anything on it
-            // (its calls refuse such a stream before they count a free), so
-            // there is nothing of it to wait for, and it must not hold up
-            // the device-wide wait for destroyed streams.
-            Err(SysError::ForeignHandle { what: "stream", .. }) => Reach::Gone,
             Ok(true) | Err(_) => Reach::Untouchable,
         }
     }
@@ -1001,35 +996,45 @@ impl<D: Device> PoolInner<D> {
 
     /// The pool's state for `stream`, created on first use. Ids are never
     /// reused by the backend, so a stream's state is never confused with
-    /// that of a destroyed stream whose driver handle was recycled.
+    /// that of a destroyed stream whose driver handle was recycled. A
+    /// stream of another device instance gets no state: it is refused
+    /// ([`SysError::ForeignHandle`]) the first time the pool meets it, so
+    /// no later pass over the pool's streams has to deal with it.
     pub fn entry(&self, stream: Stream) -> Result<Arc<StreamEntry>, PoolError> {
         #[cfg(not(loom))]
         if let Some(e) = recent_entries::get(self.id, stream.id()) {
             return Ok(e);
         }
-        let e = self.entry_from_table(stream);
+        let e = self.entry_from_table(stream)?;
         #[cfg(not(loom))]
         recent_entries::put(self.id, stream.id(), &e);
         Ok(e)
     }
 
-    fn entry_from_table(&self, stream: Stream) -> Arc<StreamEntry> {
+    fn entry_from_table(&self, stream: Stream) -> Result<Arc<StreamEntry>, PoolError> {
         if let Some(e) = self
             .streams
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .get(&stream.id())
         {
-            return e.clone();
+            return Ok(e.clone());
+        }
+        // Once per stream and pool (not on the hot path). A destroyed
+        // stream still gets its state (the rules for streams destroyed
+        // without retirement need it); another device's stream does not.
+        if let Err(e @ SysError::ForeignHandle { .. }) = self.device.check_stream(stream) {
+            return Err(e.into());
         }
         let mut map = self.streams.write().unwrap_or_else(|p| p.into_inner());
-        map.entry(stream.id())
+        Ok(map
+            .entry(stream.id())
             .or_insert_with(|| {
                 Arc::new(StreamEntry {
                     state: Mutex::new(StreamState::new(stream)),
                 })
             })
-            .clone()
+            .clone())
     }
 
     pub fn all_streams(&self) -> Vec<(u64, Arc<StreamEntry>)> {
