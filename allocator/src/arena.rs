@@ -115,10 +115,15 @@ pub(crate) enum Guard {
 
 impl Guard {
     /// The guard of two adjacent ranges merged into one, if one guard can
-    /// say it: the merge is conservative (it waits for both).
+    /// say it without making either range wait longer than it must: two
+    /// completed ranges, or two frees of one stream (the later epoch covers
+    /// the earlier one, and the stream's frees complete in order). A
+    /// completed range never merges into a pending one: its bytes would
+    /// take the pending free's guard and stop being usable by every other
+    /// stream until that free completes.
     pub fn merge(self, other: Guard) -> Option<Guard> {
         match (self, other) {
-            (Guard::Complete, g) | (g, Guard::Complete) => Some(g),
+            (Guard::Complete, Guard::Complete) => Some(Guard::Complete),
             (
                 Guard::After {
                     stream: a,
@@ -875,7 +880,43 @@ mod tests {
             },
         );
         a.check();
+        // The pending free stays apart from the completed bytes around it
+        // until its completion is known.
+        assert_eq!(a.largest_free(), 2 * PAGE - 4096 - 512);
+        assert_eq!(
+            a.free_at(512).map(|r| (r.len, r.guard)),
+            Some((
+                4096,
+                Guard::After {
+                    stream: 1,
+                    epoch: 1
+                }
+            ))
+        );
+        a.settle(|_| Some(Guard::Complete));
+        a.check();
         assert_eq!(a.largest_free(), 2 * PAGE);
+    }
+
+    #[test]
+    fn same_stream_frees_merge_and_completed_ranges_merge() {
+        let mut a = arena_with_pages(1);
+        for k in 0..3 {
+            a.take(k * 4096, 4096);
+        }
+        let after = |epoch| Guard::After { stream: 1, epoch };
+        a.give_back(0, 4096, after(1));
+        a.give_back(4096, 4096, after(2));
+        a.check();
+        assert_eq!(
+            a.free_at(0).map(|r| (r.len, r.guard)),
+            Some((2 * 4096, after(2))),
+            "one stream's frees merge under the later epoch"
+        );
+        a.give_back(2 * 4096, 4096, Guard::Complete);
+        a.check();
+        assert_eq!(a.free_at(2 * 4096).map(|r| r.len), Some(PAGE - 2 * 4096));
+        assert_eq!(a.largest_free(), PAGE - 2 * 4096);
     }
 
     #[test]
@@ -1024,10 +1065,24 @@ mod tests {
             Guard::After { .. } => Some(1),
             Guard::Complete => Some(0),
         };
-        // The 4 KiB range of stream 2 is the tightest fit but of a worse
-        // class: the 8 KiB range of stream 1 wins.
+        let class = |g| match g {
+            Guard::Complete => Some(1),
+            g => class(g),
+        };
+        // The 4 KiB range of stream 2 (at 0) is as tight as any but of a
+        // worse class: the 4 KiB range of stream 1 (at 32768, kept apart
+        // from the completed bytes around it) wins.
         assert_eq!(
             a.find_fit(4096, 1, &(0..usize::MAX), class),
+            Some((32768, 0))
+        );
+        // Among ranges of stream 1 alone, the tightest.
+        let only_one = |g| match g {
+            Guard::After { stream: 1, .. } => Some(0),
+            _ => None,
+        };
+        assert_eq!(
+            a.find_fit(5000, 1, &(0..usize::MAX), only_one),
             Some((8192, 0))
         );
         // With only class-1 memory left, the class-1 range is taken.

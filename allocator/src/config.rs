@@ -122,6 +122,14 @@ impl PoolConfig {
         self.exportable = exportable;
         self
     }
+    /// Set the upper bound of the last-resort host wait for pending frees
+    /// ([`ReusePolicy::wait_for_pending_frees`]). `Duration::MAX` waits as
+    /// long as it takes (a pending free whose stream waits for work this
+    /// thread has yet to issue then blocks the allocation for good).
+    pub fn with_last_resort_wait(mut self, wait: std::time::Duration) -> Self {
+        self.last_resort_wait = wait;
+        self
+    }
     /// Set the per-stream cache size in bytes (0 disables it).
     pub fn with_stream_cache_bytes(mut self, bytes: usize) -> Self {
         self.stream_cache_bytes = bytes;

@@ -10,17 +10,20 @@
 //! 5. growth: new physical pages, mapped in place;
 //! 6. on growth failure, other pools of the device release their cached
 //!    memory, then growth again;
-//! 7. internal dependency: the stream waits for a pending free and takes it;
-//! 8. last resort: wait on the host, bounded, for pending frees;
+//! 7. internal dependency: the stream waits for the pending frees (of one
+//!    stream or several) in a run of adjacent free ranges, and takes it;
+//! 8. last resort: wait on the host, bounded, with no lock held, for
+//!    pending frees (the allocating stream's own too: joining them into one
+//!    range remaps their pages), then steps 1–5 and 7 again;
 //! 9. out-of-memory.
 //!
 //! Map, unmap and release act immediately, not in stream order, so steps 4,
 //! 5 and trimming only ever touch memory whose frees are known complete.
 
-use crate::arena::{Arena, Guard};
+use crate::arena::{Arena, FreeRange, Guard};
 use crate::config::ReusePolicy;
 use crate::error::{OomReport, PoolError};
-use crate::order::{BuildIntHasher, VectorClock};
+use crate::order::{BuildIntHasher, EventRecord, VectorClock};
 use crate::pool::{PoolInner, StreamEntry};
 use crate::stats::Counters;
 use crate::sync::{lock, Arc, MutexGuard};
@@ -241,8 +244,25 @@ impl<D: Device> PoolInner<D> {
                 return Ok(off);
             }
         }
-        // Step 8: bounded host wait for pending frees, then try again.
-        if reuse.wait_for_pending_frees && self.wait_for_pending(&mut st) {
+        // Step 8: bounded host wait for pending frees (every stream's, the
+        // allocating stream's own included: stream order makes those safe
+        // for it, but joining their pages into one range remaps them, and
+        // remapping acts at once). The wait holds no lock; afterwards the
+        // pool tries again whatever the wait saw, since completions may
+        // also have been observed meanwhile by this thread or another.
+        if reuse.wait_for_pending_frees {
+            self.observe_completions(&mut st);
+            let pending = self.pending_records();
+            drop(st);
+            let done = self.wait_records(&pending);
+            st = lock(&self.arena);
+            for rec in done {
+                let e = st.synced.entry(rec.stream.id()).or_insert(0);
+                *e = (*e).max(rec.epoch);
+            }
+            self.flush_caches(&mut st);
+            self.observe_completions(&mut st);
+            let clock = lock(&entry.state).clock.clone();
             if let Some(off) = fit(&mut st, len, me, &clock, reuse) {
                 return Ok(off);
             }
@@ -251,6 +271,11 @@ impl<D: Device> PoolInner<D> {
                 Err(MapFailure::DeviceOom(e)) => cause = Some(e),
                 Err(MapFailure::Device(e)) => return Err(e.into()),
                 Err(_) => {}
+            }
+            if reuse.internal_dependencies {
+                if let Some(off) = self.take_with_dependency(&mut st, len, stream, entry)? {
+                    return Ok(off);
+                }
             }
         }
         // Step 9.
@@ -456,6 +481,10 @@ impl<D: Device> PoolInner<D> {
             }
         }
         let mut got: Vec<usize> = Vec::with_capacity(rest.len());
+        // Pages created by this call: given back to the device if the
+        // device runs out before the request is covered (a failed request
+        // must not grow the pool).
+        let mut created: Vec<usize> = Vec::new();
         for _ in 0..spare_used {
             got.extend(st.arena.spare.pop());
         }
@@ -483,9 +512,17 @@ impl<D: Device> PoolInner<D> {
                     st.arena.reserved_high = st.arena.reserved_high.max(st.arena.reserved);
                     st.arena.growths += 1;
                     got.push(i);
+                    created.push(i);
                 }
                 Err(e) => {
-                    st.arena.spare.extend(got);
+                    for i in got {
+                        if !created.contains(&i) {
+                            st.arena.spare.push(i);
+                        } else if let Err(e2) = self.release_phys(st, i) {
+                            tracing::warn!(error = %e2, "releasing a page of a failed request failed");
+                            st.arena.spare.push(i);
+                        }
+                    }
                     return Err(if e.is_out_of_memory() {
                         MapFailure::DeviceOom(e)
                     } else {
@@ -563,7 +600,11 @@ impl<D: Device> PoolInner<D> {
         Ok(())
     }
 
-    /// Step 7: take a pending free after making `stream` wait for it.
+    /// Step 7: take a window of `len` bytes over adjacent free ranges (no
+    /// remapping: free ranges lie on mapped pages) after making `stream`
+    /// wait for every pending free in it, of however many streams. Windows
+    /// that need the fewest streams waited for come first, then the
+    /// tightest run of free ranges, then the lowest address.
     fn take_with_dependency(
         &self,
         st: &mut State<'_>,
@@ -574,98 +615,140 @@ impl<D: Device> PoolInner<D> {
         let me = stream.id();
         let clock = lock(&entry.state).clock.clone();
         let reuse = self.reuse();
-        // Pending frees of other streams, best fit first.
-        let mut candidates: Vec<(usize, usize, Guard)> = st
-            .arena
-            .free_ranges()
-            .filter(|(_, r)| r.len >= len && st.classify(r.guard, me, &clock, reuse).is_none())
-            .map(|(o, r)| (r.len, o, r.guard))
-            .collect();
-        candidates.sort_unstable_by_key(|&(l, o, _)| (l, o));
+        let align = st.align(len);
+        // Runs of address-adjacent free ranges long enough for the request.
+        let mut runs: Vec<Vec<(usize, FreeRange)>> = Vec::new();
+        let mut current: Vec<(usize, FreeRange)> = Vec::new();
+        let mut flush = |run: &mut Vec<(usize, FreeRange)>| {
+            let total: usize = run.iter().map(|(_, r)| r.len).sum();
+            if total >= len {
+                runs.push(std::mem::take(run));
+            } else {
+                run.clear();
+            }
+        };
+        for (o, r) in st.arena.free_ranges() {
+            if current.last().is_some_and(|(lo, lr)| lo + lr.len != o) {
+                flush(&mut current);
+            }
+            current.push((o, r));
+        }
+        flush(&mut current);
+        // Candidate windows: (streams to wait for, run length, start, run).
+        let mut candidates: Vec<(usize, usize, usize, usize)> = Vec::new();
+        for (k, run) in runs.iter().enumerate() {
+            let (lo, hi) = (run[0].0, run.last().map_or(0, |(o, r)| o + r.len));
+            let mut starts: Vec<usize> = Vec::with_capacity(2 * run.len());
+            for &(o, r) in run {
+                starts.push(o.next_multiple_of(align));
+                if let Some(s) = (o + r.len).checked_sub(len) {
+                    if s >= lo {
+                        starts.push(s / align * align);
+                    }
+                }
+            }
+            starts.sort_unstable();
+            starts.dedup();
+            for s in starts {
+                if s < lo || s + len > hi {
+                    continue;
+                }
+                let donors = window_donors(st, run, s, len, me, &clock, reuse);
+                candidates.push((donors.len(), hi - lo, s, k));
+            }
+        }
+        candidates.sort_unstable();
         let streams = self
             .streams
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
-        for (_, off, guard) in candidates {
-            let Guard::After {
-                stream: donor,
-                epoch,
-            } = guard
-            else {
-                continue;
-            };
-            let Some(donor_entry) = streams.get(&donor) else {
-                continue;
-            };
-            let record = {
+        'windows: for (_, _, off, k) in candidates {
+            let donors = window_donors(st, &runs[k], off, len, me, &clock, reuse);
+            let mut records = Vec::with_capacity(donors.len());
+            for (donor, epoch) in donors {
+                let Some(donor_entry) = streams.get(&donor) else {
+                    continue 'windows;
+                };
                 let mut d = lock(&donor_entry.state);
-                match d.event_covering(epoch) {
-                    Some(r) => Some(r),
+                let record = match d.event_covering(epoch) {
+                    Some(r) => r,
                     None if d.epoch == epoch
                         && !d.retired
                         && !self.device.is_capturing(d.stream).unwrap_or(true) =>
                     {
                         let ev = self.events.acquire()?;
                         match self.device.record_event(ev, d.stream) {
-                            Ok(()) => Some(d.close_epoch(ev, self.events.clone())),
+                            Ok(()) => d.close_epoch(ev, self.events.clone()),
                             Err(_) => {
                                 use crate::order::EventSink;
                                 self.events.release(ev);
-                                None
+                                continue 'windows;
                             }
                         }
                     }
-                    None => None,
-                }
-            };
-            let Some(record) = record else { continue };
-            self.device.wait_event(stream, record.event)?;
-            lock(&entry.state).clock.merge(&record.clock);
-            Counters::bump(&self.counters.internal_dependencies);
-            tracing::debug!(
-                pool = self.id,
-                stream = me,
-                donor,
-                len,
-                "inserted an internal dependency"
-            );
+                    None => continue 'windows,
+                };
+                records.push(record);
+            }
+            for record in &records {
+                self.device.wait_event(stream, record.event)?;
+                lock(&entry.state).clock.merge(&record.clock);
+                Counters::bump(&self.counters.internal_dependencies);
+                tracing::debug!(
+                    pool = self.id,
+                    stream = me,
+                    donor = record.stream.id(),
+                    len,
+                    "inserted an internal dependency"
+                );
+            }
             st.arena.take(off, len);
             return Ok(Some(off));
         }
         Ok(None)
     }
 
-    /// Step 8: wait on the host, at most `last_resort_wait`, for pending
-    /// frees to complete. True if anything completed.
-    fn wait_for_pending(&self, st: &mut State<'_>) -> bool {
-        let deadline = Instant::now() + self.config.last_resort_wait;
-        self.observe_completions(st);
-        let mut progressed = false;
-        for (id, entry) in self.all_streams() {
-            let pending: Vec<_> = lock(&entry.state).recorded.iter().cloned().collect();
-            for rec in pending {
-                loop {
-                    match self.device.query_event(rec.event) {
-                        Ok(true) => {
-                            let e = st.synced.entry(id).or_insert(0);
-                            *e = (*e).max(rec.epoch);
-                            progressed = true;
-                            break;
-                        }
-                        Ok(false) if Instant::now() < deadline => {
-                            std::thread::sleep(std::time::Duration::from_micros(50))
-                        }
-                        _ => break,
+    /// The events recorded on every stream and not yet observed complete.
+    fn pending_records(&self) -> Vec<Arc<EventRecord>> {
+        let mut out = Vec::new();
+        for (_, entry) in self.all_streams() {
+            out.extend(lock(&entry.state).recorded.iter().cloned());
+        }
+        out
+    }
+
+    /// Step 8: wait on the host, at most `last_resort_wait` in all, for the
+    /// work before each record to complete. Called with no lock held.
+    /// Returns the records seen complete.
+    fn wait_records(&self, pending: &[Arc<EventRecord>]) -> Vec<Arc<EventRecord>> {
+        // An unrepresentable deadline (Duration::MAX) means no deadline.
+        let deadline = Instant::now().checked_add(self.config.last_resort_wait);
+        let mut done = Vec::new();
+        for rec in pending {
+            let mut nap = std::time::Duration::from_micros(20);
+            loop {
+                match self.device.query_event(rec.event) {
+                    Ok(true) => {
+                        done.push(rec.clone());
+                        break;
                     }
+                    Ok(false) if deadline.is_none_or(|d| Instant::now() < d) => {
+                        std::thread::sleep(nap);
+                        nap = (nap * 2).min(std::time::Duration::from_millis(1));
+                    }
+                    _ => break,
                 }
             }
         }
-        if progressed {
-            tracing::debug!(pool = self.id, "host wait let pending frees complete");
-            self.observe_completions(st);
+        if !done.is_empty() {
+            tracing::debug!(
+                pool = self.id,
+                completed = done.len(),
+                "host wait let pending frees complete"
+            );
         }
-        progressed
+        done
     }
 
     /// Host-synchronised up to `epoch` on stream `id`.
@@ -936,4 +1019,40 @@ fn fit(
     };
     st.arena.take(off, len);
     Some(off)
+}
+
+/// The streams whose pending frees lie in `[s, s+len)` of `run` (free
+/// ranges in address order), each with the latest epoch to wait for; the
+/// ranges usable by `me` now need no wait.
+fn window_donors(
+    st: &ArenaState,
+    run: &[(usize, FreeRange)],
+    s: usize,
+    len: usize,
+    me: u64,
+    clock: &VectorClock,
+    reuse: ReusePolicy,
+) -> Vec<(u64, u64)> {
+    let mut donors: Vec<(u64, u64)> = Vec::new();
+    for &(o, r) in run {
+        if o >= s + len {
+            break;
+        }
+        if o + r.len <= s || st.classify(r.guard, me, clock, reuse).is_some() {
+            continue;
+        }
+        let Guard::After { stream, epoch } = r.guard else {
+            continue;
+        };
+        if st.is_complete(r.guard) {
+            // Known complete (only not reused without a dependency because
+            // opportunistic reuse is off): there is nothing to wait for.
+            continue;
+        }
+        match donors.iter_mut().find(|(d, _)| *d == stream) {
+            Some((_, e)) => *e = (*e).max(epoch),
+            None => donors.push((stream, epoch)),
+        }
+    }
+    donors
 }

@@ -385,8 +385,13 @@ impl<D: Device> MemPool<D> {
                 })
             }
         };
-        if inner.config.check_capture && inner.device.is_capturing(stream)? {
-            return Err(PoolError::StreamCapturing { stream });
+        if inner.config.check_capture {
+            if inner.device.is_capturing(stream)? {
+                return Err(PoolError::StreamCapturing { stream });
+            }
+        } else {
+            // No capture check, but still no destroyed or foreign stream.
+            inner.device.check_stream(stream)?;
         }
         let alloc_at = |offset: usize| Allocation {
             ptr: inner.base + offset as u64,
@@ -457,11 +462,21 @@ impl<D: Device> MemPool<D> {
                 Ok(true) => return fail(PoolError::StreamCapturing { stream }, allocation),
                 Err(e) => return fail(e.into(), allocation),
             }
+        } else if let Err(e) = inner.device.check_stream(stream) {
+            return fail(e.into(), allocation);
         }
         // Declared uses on other streams: the freeing stream waits for them,
-        // so the free's own epoch covers them.
+        // so the free's own epoch covers them. A user stream destroyed
+        // since (without retirement) can no longer be waited for by event:
+        // its queued work still runs, and only a device-wide wait sees it
+        // end, as for the frees of such a stream.
+        let mut gone_user = None;
         for &user in &allocation.uses {
             if user == stream {
+                continue;
+            }
+            if inner.reach(user) == Reach::Gone {
+                gone_user = Some(user);
                 continue;
             }
             let ordered = self
@@ -473,6 +488,12 @@ impl<D: Device> MemPool<D> {
         }
         let offset = (allocation.ptr - inner.base) as usize;
         let (len, size) = (allocation.len, allocation.size as u64);
+        if let Some(user) = gone_user {
+            if let Err(e) = inner.free_after_gone_user(stream, user, offset, len, size) {
+                return fail(e, allocation);
+            }
+            return Ok(());
+        }
         let stashed = match inner
             .with_recent_entry(stream, |e| inner.stash_free(e, stream, offset, len, size))
         {
@@ -816,6 +837,52 @@ impl<D: Device> PoolInner<D> {
         }
     }
 
+    /// A free whose declared user stream `user` was destroyed without
+    /// retirement: counted on the freeing stream, and guarded by an epoch
+    /// of `user` closed with no event, which completes only by a
+    /// device-wide wait ([`Self::settle_orphans`]). That wait also covers
+    /// the freeing stream's work before the free, so the one guard is
+    /// enough.
+    fn free_after_gone_user(
+        &self,
+        stream: Stream,
+        user: Stream,
+        offset: usize,
+        len: usize,
+        size: u64,
+    ) -> Result<(), PoolError> {
+        let entry = self.entry(stream)?;
+        let user_entry = self.entry(user)?;
+        let mut arena = lock(&self.arena);
+        {
+            let mut st = lock(&entry.state);
+            if st.retired {
+                return Err(PoolError::StreamRetired { stream });
+            }
+            self.counters.on_free(&mut st.counters, size);
+        }
+        let epoch = {
+            let mut u = lock(&user_entry.state);
+            u.frees_in_epoch = true;
+            u.close_epoch_orphaned();
+            u.orphaned.expect("an epoch with a free was just closed")
+        };
+        arena.arena.give_back(
+            offset,
+            len,
+            Guard::After {
+                stream: user.id(),
+                epoch,
+            },
+        );
+        tracing::debug!(
+            pool = self.id,
+            %user,
+            "free after its declared user stream was destroyed: reusable after a device-wide wait"
+        );
+        Ok(())
+    }
+
     pub(crate) fn reach(&self, stream: Stream) -> Reach {
         match self.device.is_capturing(stream) {
             Ok(false) => Reach::Live,
@@ -942,35 +1009,45 @@ impl<D: Device> PoolInner<D> {
 
     /// The pool's state for `stream`, created on first use. Ids are never
     /// reused by the backend, so a stream's state is never confused with
-    /// that of a destroyed stream whose driver handle was recycled.
+    /// that of a destroyed stream whose driver handle was recycled. A
+    /// stream of another device instance gets no state: it is refused
+    /// ([`SysError::ForeignHandle`]) the first time the pool meets it, so
+    /// no later pass over the pool's streams has to deal with it.
     pub fn entry(&self, stream: Stream) -> Result<Arc<StreamEntry>, PoolError> {
         #[cfg(not(loom))]
         if let Some(e) = recent_entries::get(self.id, stream.id()) {
             return Ok(e);
         }
-        let e = self.entry_from_table(stream);
+        let e = self.entry_from_table(stream)?;
         #[cfg(not(loom))]
         recent_entries::put(self.id, stream.id(), &e);
         Ok(e)
     }
 
-    fn entry_from_table(&self, stream: Stream) -> Arc<StreamEntry> {
+    fn entry_from_table(&self, stream: Stream) -> Result<Arc<StreamEntry>, PoolError> {
         if let Some(e) = self
             .streams
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .get(&stream.id())
         {
-            return e.clone();
+            return Ok(e.clone());
+        }
+        // Once per stream and pool (not on the hot path). A destroyed
+        // stream still gets its state (the rules for streams destroyed
+        // without retirement need it); another device's stream does not.
+        if let Err(e @ SysError::ForeignHandle { .. }) = self.device.check_stream(stream) {
+            return Err(e.into());
         }
         let mut map = self.streams.write().unwrap_or_else(|p| p.into_inner());
-        map.entry(stream.id())
+        Ok(map
+            .entry(stream.id())
             .or_insert_with(|| {
                 Arc::new(StreamEntry {
                     state: Mutex::new(StreamState::new(stream)),
                 })
             })
-            .clone()
+            .clone())
     }
 
     pub fn all_streams(&self) -> Vec<(u64, Arc<StreamEntry>)> {

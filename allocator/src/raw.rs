@@ -19,8 +19,14 @@ pub(crate) struct RawTable {
 
 impl<D: Device> MemPool<D> {
     /// [`alloc_async`](Self::alloc_async) for callers that keep pointers.
-    /// Size 0 returns 0 (null).
+    /// Size 0 returns 0 (null) and is not counted as an allocation, just as
+    /// freeing null is not counted as a free: a caller cannot tell the
+    /// null of a size-0 allocation from any other null, so only counting
+    /// neither keeps allocations minus frees equal to the live allocations.
     pub fn alloc_raw(&self, size: usize, stream: Stream) -> Result<DevicePtr, PoolError> {
+        if size == 0 {
+            return Ok(0);
+        }
         let a = self.alloc_async(size, stream)?;
         let ptr = a.ptr();
         if ptr == 0 {

@@ -357,7 +357,9 @@ fn wait_for_pending_frees_is_a_bounded_last_resort() {
     let t = Instant::now();
     let err = short.alloc_async(PAGE, b).unwrap_err();
     assert!(err.is_out_of_memory());
-    assert!(t.elapsed() < Duration::from_secs(5), "unbounded wait");
+    // Only a bound against an unbounded wait (the bound is 100 ms), wide
+    // enough for any loaded machine.
+    assert!(t.elapsed() < Duration::from_secs(60), "unbounded wait");
 
     // Completes during the wait (released by another thread): success.
     let long = make(Duration::from_secs(20));

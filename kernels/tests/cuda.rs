@@ -33,7 +33,12 @@ fn setup(test: &str) -> Option<Gpu> {
         if std::env::var("TIDEPOOL_REQUIRE_GPU").as_deref() == Ok("1") {
             panic!("{test}: TIDEPOOL_REQUIRE_GPU=1 but no CUDA driver is usable: {reason}");
         }
-        eprintln!("skipping {test}: no CUDA driver is usable here: {reason}");
+        // Outside libtest's capture, so that the skip shows in every run.
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr().lock(),
+            "SKIP {test}: no CUDA driver is usable here: {reason}"
+        );
         return None;
     }
     let lock = GPU.lock().unwrap_or_else(|e| e.into_inner());
@@ -75,6 +80,15 @@ fn spin_orders_later_work() {
     };
     let (dev, k) = (&*gpu.dev, &*gpu.k);
     common::spin_orders_later_work(dev, k);
+}
+
+#[test]
+fn streams_do_not_wait_for_each_other() {
+    let Some(gpu) = setup("streams_do_not_wait_for_each_other") else {
+        return;
+    };
+    let (dev, k) = (&*gpu.dev, &*gpu.k);
+    common::streams_do_not_wait_for_each_other(dev, k);
 }
 
 #[test]
@@ -130,4 +144,83 @@ fn kernel_sets_count_apart() {
     k1.reset_counters().unwrap();
     assert_eq!(k1.mismatches().unwrap(), 0);
     tidepool_sys::Device::destroy_stream(dev, s).unwrap();
+}
+
+/// A request for the whole cap after same-stream frees succeeds on CUDA:
+/// 20 MiB and 12 MiB written by kernels on stream s, both freed on s,
+/// then 32 MiB on s (it failed with "largest free range 20.0 MiB": the
+/// frees' pages must be remapped to be joined, which needs their work
+/// complete, and the last-resort host wait missed an event that completed
+/// on its way there). Once right after the kernels, once with the stream
+/// still busy (a spin) when the request comes.
+#[test]
+fn whole_cap_request_after_same_stream_frees() {
+    let Some(gpu) = setup("whole_cap_request_after_same_stream_frees") else {
+        return;
+    };
+    let (dev, k) = (&gpu.dev, &*gpu.k);
+    const MIB: usize = 1 << 20;
+    for spin_ns in [0u64, 20_000_000] {
+        let pool = tidepool::MemPool::new(
+            dev.clone(),
+            tidepool::PoolConfig::default()
+                .with_va_size(1 << 30)
+                .with_max_size(32 * MIB as u64)
+                .with_last_resort_wait(std::time::Duration::from_secs(120)),
+        )
+        .unwrap();
+        let s = tidepool_sys::Device::create_stream(&**dev).unwrap();
+        k.reset_counters().unwrap();
+        let x = pool.alloc_async(20 * MIB, s).unwrap();
+        let y = pool.alloc_async(12 * MIB, s).unwrap();
+        k.fill_tag(s, x.ptr(), 20 * MIB, 1).unwrap();
+        k.fill_tag(s, y.ptr(), 12 * MIB, 2).unwrap();
+        if spin_ns > 0 {
+            k.spin(s, spin_ns).unwrap();
+        }
+        pool.free_async(x, s).unwrap();
+        pool.free_async(y, s).unwrap();
+        let z = pool
+            .alloc_async(32 * MIB, s)
+            .unwrap_or_else(|e| panic!("spin {spin_ns} ns: false out-of-memory: {e}"));
+        k.fill_tag(s, z.ptr(), 32 * MIB, 3).unwrap();
+        k.verify_tag(s, z.ptr(), 32 * MIB, 3).unwrap();
+        pool.free_async(z, s).unwrap();
+        pool.synchronize().unwrap();
+        assert_eq!(k.mismatches().unwrap(), 0);
+        assert_eq!(k.access_faults().unwrap(), 0);
+        assert_eq!(pool.stats().reserved_current, 32 * MIB as u64);
+        drop(pool);
+        tidepool_sys::Device::destroy_stream(&**dev, s).unwrap();
+    }
+}
+
+/// Another `CudaDevice` object's stream is refused by the pool with a
+/// typed error (with and without the capture check), not taken for the
+/// stream of the same number on this object.
+#[test]
+fn pool_refuses_a_stream_of_another_device_object() {
+    let Some(gpu) = setup("pool_refuses_a_stream_of_another_device_object") else {
+        return;
+    };
+    let other = CudaDevice::new(0).unwrap();
+    let foreign = tidepool_sys::Device::create_stream(&other).unwrap();
+    for check in [true, false] {
+        let pool = tidepool::MemPool::new(
+            gpu.dev.clone(),
+            tidepool::PoolConfig::default()
+                .with_va_size(1 << 30)
+                .with_check_capture(check),
+        )
+        .unwrap();
+        let err = pool.alloc_async(4096, foreign).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                tidepool::PoolError::Device(tidepool_sys::SysError::ForeignHandle { .. })
+            ),
+            "check_capture {check}: {err:?}"
+        );
+    }
+    tidepool_sys::Device::destroy_stream(&other, foreign).unwrap();
 }

@@ -37,6 +37,12 @@ fn spin_orders_later_work() {
 }
 
 #[test]
+fn streams_do_not_wait_for_each_other() {
+    let dev = device();
+    common::streams_do_not_wait_for_each_other(&*dev, &HostKernels::new(dev.clone()));
+}
+
+#[test]
 fn spin_takes_its_time() {
     let dev = device();
     common::spin_takes_its_time(&*dev, &HostKernels::new(dev.clone()));

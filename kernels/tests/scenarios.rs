@@ -80,7 +80,12 @@ fn on_cuda(name: &str, scenario: fn(&Arc<CudaDevice>, &dyn TagKernels)) {
         if std::env::var("TIDEPOOL_REQUIRE_GPU").as_deref() == Ok("1") {
             panic!("{name}: TIDEPOOL_REQUIRE_GPU=1 but no CUDA driver is usable: {reason}");
         }
-        eprintln!("skipping {name} on cuda: no CUDA driver is usable here: {reason}");
+        // Outside libtest's capture, so that the skip shows in every run.
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr().lock(),
+            "SKIP {name} on cuda: no CUDA driver is usable here: {reason}"
+        );
         return;
     }
     let _gpu: MutexGuard<'_, ()> = GPU.lock().unwrap_or_else(|e| e.into_inner());

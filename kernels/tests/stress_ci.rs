@@ -1,5 +1,7 @@
 //! The stress harness on the host backend, sized for CI (a debug build on a
-//! 2-core machine: about 20 s for the whole file, bounded well under 60 s).
+//! 2-core machine: about 20 s for the whole file). The work is bounded by
+//! operation counts, never by time: every planned operation runs, however
+//! loaded the machine is, and no assertion depends on its speed.
 //!
 //! - `stress_all_phases`: every reuse switch on, then each off in turn
 //!   (switched at run time, with allocations live across the switch), with
@@ -14,7 +16,6 @@
 #![forbid(unsafe_code)]
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use tidepool::{MemPool, PoolConfig, ReusePolicy};
 use tidepool_kernels::host::HostKernels;
@@ -56,7 +57,7 @@ fn ci_pool() -> PoolConfig {
         .with_stream_cache_bytes(4 << 20)
 }
 
-fn check(report: &StressReport, min_ops: u64) {
+fn check(report: &StressReport, planned: u64) {
     assert_eq!(
         report.mismatches, 0,
         "the pool handed memory to overlapping work: {report}"
@@ -66,8 +67,8 @@ fn check(report: &StressReport, min_ops: u64) {
         "a kernel touched memory the pool had unmapped: {report}"
     );
     assert!(
-        report.ops >= min_ops,
-        "only {} of the planned operations ran before the time limit: {report}",
+        !report.stopped_early && report.ops == planned,
+        "{} of the {planned} planned operations ran: {report}",
         report.ops
     );
     assert_eq!(report.stats.used_current, 0, "every allocation was freed");
@@ -77,7 +78,7 @@ fn ci_config(seed: u64, ops: u64) -> StressConfig {
     StressConfig {
         seed,
         ops,
-        time_limit: Some(Duration::from_secs(40)),
+        time_limit: None,
         ..StressConfig::host_ci()
     }
 }
@@ -86,7 +87,7 @@ fn ci_config(seed: u64, ops: u64) -> StressConfig {
 fn stress_all_phases() {
     let cfg = ci_config(0x5EED_0001, 40_000);
     let r = run_host(&cfg, STREAMS, ci_pool());
-    check(&r, cfg.ops / 2);
+    check(&r, cfg.ops);
     assert_eq!(r.phases, 5, "all five phases ran");
     assert!(r.cross_stream_frees > 0 && r.chains > 0 && r.declared_uses > 0);
     assert!(r.trims > 0 && r.syncs > 0);
@@ -101,7 +102,7 @@ fn one_switch_off(seed: u64, off: impl Fn(&mut ReusePolicy)) {
         ..ci_config(seed, 12_000)
     };
     let r = run_host(&cfg, STREAMS, ci_pool());
-    check(&r, cfg.ops / 2);
+    check(&r, cfg.ops);
 }
 
 #[test]
@@ -134,7 +135,11 @@ fn soak() {
     let ops: Option<u64> = env("TIDEPOOL_SOAK_OPS");
     let on = std::env::var("TIDEPOOL_SOAK").as_deref() == Ok("1");
     let Some(ops) = ops.or(on.then_some(1_000_000)) else {
-        eprintln!("skipping soak: set TIDEPOOL_SOAK=1 or TIDEPOOL_SOAK_OPS=N to run it");
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr().lock(),
+            "SKIP soak: set TIDEPOOL_SOAK=1 or TIDEPOOL_SOAK_OPS=N to run it"
+        );
         return;
     };
     let cfg = StressConfig {

@@ -529,6 +529,12 @@ impl Device for ModelDevice {
         st.stream(Op::IsCapturing, stream).map(|_| false)
     }
 
+    fn check_stream(&self, stream: Stream) -> SysResult<()> {
+        // A table lookup, as the real backends do: no device progress.
+        let mut st = lock(&self.st);
+        st.stream(Op::CheckStream, stream).map(|_| ())
+    }
+
     fn create_event(&self) -> SysResult<Event> {
         let mut st = lock(&self.st);
         let id = st.id();

@@ -155,6 +155,17 @@ pub trait Device: Send + Sync + 'static {
     fn query_stream(&self, stream: Stream) -> SysResult<bool>;
     /// Whether the stream is being captured into a graph.
     fn is_capturing(&self, stream: Stream) -> SysResult<bool>;
+    /// Check that `stream` names a live stream of this device instance:
+    /// an error for a destroyed stream ([`SysError::InvalidHandle`]) and
+    /// for a stream of another instance ([`SysError::ForeignHandle`]).
+    /// Backends answer from their own tables, with no driver call; the
+    /// default asks [`Device::query_stream`].
+    ///
+    /// [`SysError::InvalidHandle`]: crate::SysError::InvalidHandle
+    /// [`SysError::ForeignHandle`]: crate::SysError::ForeignHandle
+    fn check_stream(&self, stream: Stream) -> SysResult<()> {
+        self.query_stream(stream).map(|_| ())
+    }
 
     // --- events ---
     fn create_event(&self) -> SysResult<Event>;

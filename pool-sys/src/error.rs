@@ -27,6 +27,7 @@ pub enum Op {
     SynchronizeDevice,
     QueryStream,
     IsCapturing,
+    CheckStream,
     CreateEvent,
     RecordEvent,
     QueryEvent,
@@ -61,6 +62,7 @@ impl Op {
         Op::SynchronizeDevice,
         Op::QueryStream,
         Op::IsCapturing,
+        Op::CheckStream,
         Op::CreateEvent,
         Op::RecordEvent,
         Op::QueryEvent,
@@ -95,6 +97,7 @@ impl Op {
             Op::SynchronizeDevice => "synchronize_device",
             Op::QueryStream => "query_stream",
             Op::IsCapturing => "is_capturing",
+            Op::CheckStream => "check_stream",
             Op::CreateEvent => "create_event",
             Op::RecordEvent => "record_event",
             Op::QueryEvent => "query_event",
@@ -136,6 +139,9 @@ pub enum SysError {
     InvalidArgument { op: Op, reason: String },
     /// A handle that was never created, or was already destroyed/released.
     InvalidHandle { op: Op, what: &'static str, id: u64 },
+    /// A handle issued by another device instance (another `HostDevice`
+    /// or `CudaDevice` object): it names nothing on this one.
+    ForeignHandle { op: Op, what: &'static str, id: u64 },
     /// The backend cannot do this at all.
     Unsupported { op: Op, reason: String },
     /// A failure made on purpose by [`crate::FaultInjector`].
@@ -152,6 +158,7 @@ impl SysError {
             | SysError::OutOfMemory { op, .. }
             | SysError::InvalidArgument { op, .. }
             | SysError::InvalidHandle { op, .. }
+            | SysError::ForeignHandle { op, .. }
             | SysError::Unsupported { op, .. }
             | SysError::Injected { op, .. } => Some(*op),
         }
@@ -193,6 +200,10 @@ impl fmt::Display for SysError {
                     "{op}: {what} {id} does not exist (never created, or already destroyed)"
                 )
             }
+            SysError::ForeignHandle { op, what, id } => write!(
+                f,
+                "{op}: {what} {id} belongs to another device instance; use the {what}s of the device this call was made on"
+            ),
             SysError::Unsupported { op, reason } => write!(f, "{op}: not supported: {reason}"),
             SysError::Injected { op, call } => {
                 write!(f, "{op}: failure injected on call {call}")

@@ -207,6 +207,10 @@ impl<D: Device> Device for FaultInjector<D> {
         self.check(Op::IsCapturing)?;
         self.inner.is_capturing(stream)
     }
+    fn check_stream(&self, stream: Stream) -> SysResult<()> {
+        self.check(Op::CheckStream)?;
+        self.inner.check_stream(stream)
+    }
     fn create_event(&self) -> SysResult<Event> {
         self.check(Op::CreateEvent)?;
         self.inner.create_event()

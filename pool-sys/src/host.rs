@@ -36,7 +36,7 @@ use crate::device::{
     Stream,
 };
 use crate::error::{Op, SysError, SysResult};
-use crate::validate::{check_granular, check_size, invalid};
+use crate::validate::{check_granular, check_size, invalid, missing_stream, stream_id};
 use rustix::fs::{fstat, ftruncate, memfd_create, MemfdFlags};
 use rustix::io::Errno;
 use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
@@ -54,9 +54,6 @@ mod share;
 /// events, physical handles), so that no id is ever issued twice, even across
 /// devices and after a destroy.
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
-
-/// Owner id of host streams in `crate::recent` (CUDA instances count from 1).
-const HOST_OWNER: u64 = 0;
 
 fn next_id() -> u64 {
     NEXT_ID.fetch_add(1, Ordering::Relaxed)
@@ -454,6 +451,9 @@ pub struct HostDevice {
     events: Mutex<HashMap<u64, EventState>>,
     capturing: Mutex<HashSet<u64>>,
     default_stream: Stream,
+    /// Process-unique id of this instance: the high bits of its stream ids
+    /// and its key in `crate::recent`.
+    owner: u64,
 }
 
 impl std::fmt::Debug for HostDevice {
@@ -506,6 +506,7 @@ impl HostDevice {
             events: Mutex::new(HashMap::new()),
             capturing: Mutex::new(HashSet::new()),
             default_stream: Stream(0),
+            owner: crate::recent::new_owner(),
         };
         dev.default_stream = dev
             .spawn_stream()
@@ -622,7 +623,7 @@ impl HostDevice {
     }
 
     fn spawn_stream(&self) -> SysResult<Stream> {
-        let id = next_id();
+        let id = stream_id(self.owner, next_id());
         let (tx, rx) = mpsc::channel::<HostTask>();
         let state = Arc::new(StreamState {
             id,
@@ -654,11 +655,19 @@ impl HostDevice {
         lock(&self.streams)
             .get(&stream.0)
             .cloned()
-            .ok_or(SysError::InvalidHandle {
-                op,
-                what: "stream",
-                id: stream.0,
-            })
+            .ok_or_else(|| missing_stream(op, self.owner, stream.0))
+    }
+
+    /// The live stream `stream` of this device, through this thread's cache
+    /// of recently used streams (keyed by this instance, so another
+    /// device's stream is never resolved here).
+    fn resolve(&self, op: Op, stream: Stream) -> SysResult<Arc<StreamState>> {
+        if let Some(s) = crate::recent::get::<StreamState>(self.owner, stream.0) {
+            return Ok(s);
+        }
+        let s = self.stream(op, stream)?;
+        crate::recent::put(self.owner, stream.0, &s);
+        Ok(s)
     }
 
     /// Where `event` was last recorded (`None`: never), or InvalidHandle.
@@ -1028,11 +1037,7 @@ impl Device for HostDevice {
         }
         let state = lock(&self.streams)
             .remove(&stream.0)
-            .ok_or(SysError::InvalidHandle {
-                op,
-                what: "stream",
-                id: stream.0,
-            })?;
+            .ok_or_else(|| missing_stream(op, self.owner, stream.0))?;
         lock(&self.capturing).remove(&stream.0);
         state.destroyed.store(true, Ordering::Release);
         // Dropping the sender lets the worker drain the queue and exit; it is
@@ -1087,14 +1092,14 @@ impl Device for HostDevice {
     }
 
     fn is_capturing(&self, stream: Stream) -> SysResult<bool> {
-        // Stream ids are process-unique here, so one owner id serves all
-        // host devices.
-        if let Some(s) = crate::recent::get::<StreamState>(HOST_OWNER, stream.0) {
-            return Ok(s.capturing.load(Ordering::Acquire));
-        }
-        let s = self.stream(Op::IsCapturing, stream)?;
-        crate::recent::put(HOST_OWNER, stream.0, &s);
-        Ok(s.capturing.load(Ordering::Acquire))
+        Ok(self
+            .resolve(Op::IsCapturing, stream)?
+            .capturing
+            .load(Ordering::Acquire))
+    }
+
+    fn check_stream(&self, stream: Stream) -> SysResult<()> {
+        self.resolve(Op::CheckStream, stream).map(|_| ())
     }
 
     fn create_event(&self) -> SysResult<Event> {

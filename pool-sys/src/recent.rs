@@ -55,7 +55,12 @@ pub(crate) fn put<T: Retirable>(owner: u64, id: u64, obj: &Arc<T>) {
 /// A process-unique owner id for a backend instance (stream ids are only
 /// unique per instance in the CUDA backend).
 pub(crate) fn new_owner() -> u64 {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static NEXT: AtomicU64 = AtomicU64::new(1);
-    NEXT.fetch_add(1, Ordering::Relaxed)
+    NEXT_OWNER.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
+
+/// Whether `owner` was issued by [`new_owner`].
+pub(crate) fn is_issued_owner(owner: u64) -> bool {
+    owner != 0 && owner < NEXT_OWNER.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+static NEXT_OWNER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);

@@ -32,6 +32,37 @@ pub(crate) fn check_size(op: Op, size: usize, granularity: usize) -> SysResult<(
     check_granular(op, "size", size as u64, granularity)
 }
 
+/// Bits of a stream id that count streams within one device instance; the
+/// bits above name the instance, so that a stream of another instance is
+/// told apart from a destroyed one.
+const STREAM_LOCAL_BITS: u32 = 40;
+
+/// The id of the `local`-th stream of device instance `owner` (owners
+/// count from 1, so no stream id of a device is ever below 2^40).
+pub(crate) fn stream_id(owner: u64, local: u64) -> u64 {
+    debug_assert!(local < 1 << STREAM_LOCAL_BITS);
+    (owner << STREAM_LOCAL_BITS) | (local & ((1 << STREAM_LOCAL_BITS) - 1))
+}
+
+/// The error for stream `id`, which the table of instance `owner` lacks:
+/// another instance's stream, or one destroyed (or never issued).
+pub(crate) fn missing_stream(op: Op, owner: u64, id: u64) -> SysError {
+    let issuer = id >> STREAM_LOCAL_BITS;
+    if issuer != owner && crate::recent::is_issued_owner(issuer) {
+        SysError::ForeignHandle {
+            op,
+            what: "stream",
+            id,
+        }
+    } else {
+        SysError::InvalidHandle {
+            op,
+            what: "stream",
+            id,
+        }
+    }
+}
+
 /// The object `id` of a handle table, or an invalid-handle error naming
 /// `what`.
 pub(crate) fn lookup<T>(

@@ -9,8 +9,8 @@ use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tidepool_sys::cuda::{driver_available, CudaDevice, DEFAULT_STREAM_ID};
-use tidepool_sys::{Device, PhysicalOptions, Stream, SysError};
+use tidepool_sys::cuda::{driver_available, CudaDevice};
+use tidepool_sys::{Device, PhysicalOptions, SysError};
 
 #[test]
 fn new_reports_driver_unavailable_without_a_driver() {
@@ -409,7 +409,8 @@ fn stream_ids_are_never_reused() {
     let Some(dev) = device_or_skip() else { return };
     let mut seen = HashSet::new();
     seen.insert(dev.default_stream());
-    assert_eq!(dev.default_stream(), Stream(DEFAULT_STREAM_ID));
+    assert_eq!(dev.default_stream(), dev.default_stream());
+    assert_eq!(dev.raw_stream(dev.default_stream()).unwrap(), 0);
     let mut last = None;
     for _ in 0..100 {
         let s = dev.create_stream().unwrap();
@@ -562,4 +563,42 @@ fn dropping_the_device_cleans_up_live_objects() {
     let dev = CudaDevice::new(0).unwrap();
     let h = dev.create_physical(g, PhysicalOptions::default()).unwrap();
     dev.release_physical(h).unwrap();
+}
+
+/// Streams carry their device instance: another `CudaDevice` object's
+/// stream (even one with the same number within its instance, and one
+/// this thread has already used) is a typed error, never another stream.
+#[test]
+fn a_stream_of_another_instance_is_refused() {
+    let Some(d1) = device_or_skip() else { return };
+    let d2 = CudaDevice::new(0).unwrap();
+    let (s1, s2) = (d1.create_stream().unwrap(), d2.create_stream().unwrap());
+    assert_ne!(s1, s2);
+    assert_ne!(d1.default_stream(), d2.default_stream());
+    // Resolved on this thread through its own device first.
+    assert!(!d2.is_capturing(s2).unwrap());
+    d2.check_stream(s2).unwrap();
+    for result in [
+        d1.is_capturing(s2).map(|_| ()),
+        d1.check_stream(s2),
+        d1.query_stream(s2).map(|_| ()),
+        d1.synchronize_stream(s2),
+        d1.is_capturing(d2.default_stream()).map(|_| ()),
+    ] {
+        assert!(
+            matches!(result, Err(SysError::ForeignHandle { what: "stream", .. })),
+            "{result:?}"
+        );
+    }
+    assert!(matches!(
+        d1.destroy_stream(s2),
+        Err(SysError::ForeignHandle { .. })
+    ));
+    d1.check_stream(s1).unwrap();
+    d2.destroy_stream(s2).unwrap();
+    assert!(matches!(
+        d2.check_stream(s2),
+        Err(SysError::InvalidHandle { what: "stream", .. })
+    ));
+    d1.destroy_stream(s1).unwrap();
 }

@@ -147,6 +147,7 @@ fn every_fallible_op_can_be_failed() {
     assert_eq!(f.synchronize_stream(s), Err(err(Op::SynchronizeStream)));
     assert_eq!(f.query_stream(s), Err(err(Op::QueryStream)));
     assert_eq!(f.is_capturing(s), Err(err(Op::IsCapturing)));
+    assert_eq!(f.check_stream(s), Err(err(Op::CheckStream)));
     assert_eq!(f.create_event(), Err(err(Op::CreateEvent)));
     assert_eq!(f.record_event(e, s), Err(err(Op::RecordEvent)));
     assert_eq!(f.query_event(e), Err(err(Op::QueryEvent)));

@@ -190,7 +190,7 @@ fn never_recorded_event_is_complete_and_waiting_on_it_is_a_no_op() {
     let (tx, rx) = mpsc::channel();
     d.launch_host(s, Box::new(move || tx.send(()).unwrap()))
         .unwrap();
-    rx.recv_timeout(Duration::from_secs(5))
+    rx.recv_timeout(Duration::from_secs(60))
         .expect("work after a wait on a never-recorded event runs");
 }
 
@@ -429,4 +429,48 @@ fn capture_status_follows_the_hook_and_destroy_on_a_thread_that_cached_it() {
     assert!(!d.is_capturing(s).unwrap());
     d.destroy_stream(s).unwrap();
     assert!(invalid_handle(d.is_capturing(s), Op::IsCapturing, "stream"));
+}
+
+/// Streams carry their device instance: another `HostDevice`'s stream is a
+/// typed error, also once this thread has used it on its own device (the
+/// thread's cache of recent streams is per instance).
+#[test]
+fn a_stream_of_another_device_is_refused() {
+    let (d1, d2) = (HostDevice::new(), HostDevice::new());
+    let s2 = d2.create_stream().unwrap();
+    assert!(!d2.is_capturing(s2).unwrap());
+    d2.check_stream(s2).unwrap();
+    for result in [
+        d1.is_capturing(s2).map(|_| ()),
+        d1.check_stream(s2),
+        d1.query_stream(s2).map(|_| ()),
+        d1.synchronize_stream(s2),
+        d1.launch_host(s2, Box::new(|| {})),
+        d1.is_capturing(d2.default_stream()).map(|_| ()),
+        d1.destroy_stream(s2),
+    ] {
+        assert!(
+            matches!(
+                result,
+                Err(tidepool_sys::SysError::ForeignHandle { what: "stream", .. })
+            ),
+            "{result:?}"
+        );
+    }
+    let e = d1.create_event().unwrap();
+    assert!(matches!(
+        d1.record_event(e, s2),
+        Err(tidepool_sys::SysError::ForeignHandle { .. })
+    ));
+    // A destroyed stream of the device itself stays an invalid handle.
+    let s1 = d1.create_stream().unwrap();
+    d1.check_stream(s1).unwrap();
+    d1.destroy_stream(s1).unwrap();
+    assert!(matches!(
+        d1.check_stream(s1),
+        Err(tidepool_sys::SysError::InvalidHandle { what: "stream", .. })
+    ));
+    let msg = d1.check_stream(s2).unwrap_err().to_string();
+    assert!(msg.contains("another device instance"), "{msg}");
+    d2.destroy_stream(s2).unwrap();
 }

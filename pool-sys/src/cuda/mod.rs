@@ -28,7 +28,9 @@ use crate::device::{
     Stream,
 };
 use crate::error::{Op, SysError, SysResult};
-use crate::validate::{check_granular, check_size, invalid, lookup, remove};
+use crate::validate::{
+    check_granular, check_size, invalid, lookup, missing_stream, remove, stream_id,
+};
 use cudarc::driver::sys;
 use driver::{check, check_sized, driver_error, warn_drop, Ctx};
 use std::collections::{BTreeMap, HashMap};
@@ -38,7 +40,10 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard};
 
-/// The id of the legacy default (NULL) stream, registered at construction.
+/// The number of the legacy default (NULL) stream among a device
+/// instance's streams, registered at construction. A stream id carries
+/// its instance in its high bits, so the default stream's id is
+/// `dev.default_stream()`, not this number.
 pub const DEFAULT_STREAM_ID: u64 = 0;
 
 /// `CU_STREAM_LEGACY`: the legacy default stream, as a handle value.
@@ -313,9 +318,10 @@ impl CudaDevice {
             });
         }
 
+        let instance = crate::recent::new_owner();
         let mut streams = HashMap::new();
         streams.insert(
-            DEFAULT_STREAM_ID,
+            stream_id(instance, DEFAULT_STREAM_ID),
             Arc::new(StreamObj {
                 raw: std::ptr::null_mut(),
                 owned: false,
@@ -326,7 +332,7 @@ impl CudaDevice {
         tracing::debug!(ordinal, granularity, "tidepool cuda: device opened");
         Ok(CudaDevice {
             inner: Arc::new(Inner {
-                instance: crate::recent::new_owner(),
+                instance,
                 ctx,
                 granularity,
                 next_id: AtomicU64::new(DEFAULT_STREAM_ID + 1),
@@ -377,17 +383,14 @@ impl CudaDevice {
                 crate::recent::put(self.inner.instance, stream.0, obj);
                 f(obj.raw)
             }
-            None => Err(SysError::InvalidHandle {
-                op,
-                what: "stream",
-                id: stream.0,
-            }),
+            None => Err(missing_stream(op, self.inner.instance, stream.0)),
         }
     }
 
     /// The stream object itself, for blocking calls (no lock held during them).
     fn stream_obj(&self, op: Op, stream: Stream) -> SysResult<Arc<StreamObj>> {
         lookup(&self.inner.streams, op, "stream", stream.0)
+            .map_err(|_| missing_stream(op, self.inner.instance, stream.0))
     }
 
     fn event_obj(&self, op: Op, event: Event) -> SysResult<Arc<EventObj>> {
@@ -407,7 +410,7 @@ impl CudaDevice {
     }
 
     fn register_stream(&self, raw: sys::CUstream, owned: bool) -> Stream {
-        let id = self.new_id();
+        let id = stream_id(self.inner.instance, self.new_id());
         let obj = Arc::new(StreamObj {
             raw,
             owned,
@@ -741,10 +744,11 @@ impl Device for CudaDevice {
 
     fn destroy_stream(&self, stream: Stream) -> SysResult<()> {
         let op = Op::DestroyStream;
-        if stream.0 == DEFAULT_STREAM_ID {
+        if stream == self.default_stream() {
             return Err(invalid(op, "the default stream is never destroyed"));
         }
-        let obj = remove(&self.inner.streams, op, "stream", stream.0)?;
+        let obj = remove(&self.inner.streams, op, "stream", stream.0)
+            .map_err(|_| missing_stream(op, self.inner.instance, stream.0))?;
         obj.destroyed.store(true, Ordering::Release);
         // Dropped here, or by the last in-flight user (RAII destroys it).
         drop(obj);
@@ -752,7 +756,7 @@ impl Device for CudaDevice {
     }
 
     fn default_stream(&self) -> Stream {
-        Stream(DEFAULT_STREAM_ID)
+        Stream(stream_id(self.inner.instance, DEFAULT_STREAM_ID))
     }
 
     fn adopt_stream(&self, raw: usize) -> SysResult<Stream> {
@@ -823,6 +827,11 @@ impl Device for CudaDevice {
                 r => Err(driver_error(op, r)),
             }
         })
+    }
+
+    fn check_stream(&self, stream: Stream) -> SysResult<()> {
+        // A table lookup (through this thread's cache): no driver call.
+        self.with_stream(Op::CheckStream, stream, |_| Ok(()))
     }
 
     fn create_event(&self) -> SysResult<Event> {

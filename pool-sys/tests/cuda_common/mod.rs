@@ -14,7 +14,15 @@ pub fn device_or_skip() -> Option<CudaDevice> {
         if std::env::var("TIDEPOOL_REQUIRE_GPU").as_deref() == Ok("1") {
             panic!("TIDEPOOL_REQUIRE_GPU=1 but no CUDA driver: {reason}");
         }
-        println!("skipped: no CUDA driver ({reason})");
+        // Outside libtest's capture, so that the skip shows in every run;
+        // libtest names each test's thread after the test.
+        use std::io::Write;
+        let thread = std::thread::current();
+        let test = thread.name().unwrap_or("a CUDA test");
+        let _ = writeln!(
+            std::io::stderr().lock(),
+            "SKIP {test}: no CUDA driver ({reason})"
+        );
         return None;
     }
     Some(CudaDevice::new(0).expect("CudaDevice::new(0) with a driver present"))
