@@ -73,7 +73,8 @@ impl Failure {
 fn sys_status(e: &SysError) -> tidepool_status {
     match e {
         SysError::DriverUnavailable { .. } => TIDEPOOL_ERROR_DRIVER_UNAVAILABLE,
-        SysError::InvalidHandle { what: "stream", .. } => TIDEPOOL_ERROR_INVALID_STREAM,
+        SysError::InvalidHandle { what: "stream", .. }
+        | SysError::ForeignHandle { what: "stream", .. } => TIDEPOOL_ERROR_INVALID_STREAM,
         SysError::Unsupported { .. } => TIDEPOOL_ERROR_UNSUPPORTED,
         e if e.is_out_of_memory() => TIDEPOOL_ERROR_OUT_OF_MEMORY,
         _ => TIDEPOOL_ERROR_DEVICE,

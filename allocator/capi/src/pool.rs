@@ -148,8 +148,6 @@ pub(crate) struct PoolBody {
     /// Runtime maximum of reserved bytes (`tidepool_set_max_size`), on top
     /// of the maximum the pool was created with. `NO_CAP` when unset.
     cap: AtomicU64,
-    /// Size-0 allocations made (they give NULL, which is never freed).
-    zero_allocs: AtomicU64,
     /// Allocations refused for the runtime maximum (added to `ooms`).
     cap_ooms: AtomicU64,
     /// A per-device default pool: lives for the whole process.
@@ -196,7 +194,6 @@ impl PoolBody {
             pool,
             streams: RawStreams::default(),
             cap: AtomicU64::new(NO_CAP),
-            zero_allocs: AtomicU64::new(0),
             cap_ooms: AtomicU64::new(0),
             is_default,
             tag: next_pool_tag(),
@@ -258,11 +255,6 @@ impl PoolBody {
     pub(crate) fn alloc(&self, size: usize, stream: Stream) -> Result<u64, PoolError> {
         with_pool!(&self.pool, |p| {
             let ptr = p.alloc_raw(size, stream)?;
-            if size == 0 {
-                // NULL is never freed, so a size-0 request is not counted
-                // as an allocation in the statistics (see `c_stats`).
-                self.zero_allocs.fetch_add(1, Ordering::Relaxed);
-            }
             let cap = self.cap.load(Ordering::Relaxed);
             if cap == NO_CAP || size == 0 || p.stats().reserved_current <= cap {
                 return Ok(ptr);
@@ -361,18 +353,15 @@ pub struct tidepool_stats {
 }
 
 pub(crate) fn c_stats(pool: &PoolBody) -> tidepool_stats {
-    // Read before the snapshot: a size-0 request counts in the pool's
-    // statistics before it counts here, so `allocs` is never too low.
-    let zero_allocs = pool.zero_allocs.load(Ordering::Relaxed);
     let s = pool.stats();
     tidepool_stats {
         reserved_current: s.reserved_current,
         reserved_high: s.reserved_high,
         used_current: s.used_current,
         used_high: s.used_high,
-        // Size-0 requests give NULL, and freeing NULL does nothing, so they
-        // are left out: `allocs - frees` is the number of live allocations.
-        allocs: s.allocs.saturating_sub(zero_allocs),
+        // The pool counts neither size-0 requests (they give NULL) nor
+        // frees of NULL: `allocs - frees` is the number of live allocations.
+        allocs: s.allocs,
         frees: s.frees,
         cache_hits: s.cache_hits,
         growths: s.growths,

@@ -197,11 +197,9 @@ fn python_package_without_torch() {
     );
 }
 
-/// A defect of the pool itself reached through the C API: see
+/// A former defect of the pool itself, reached through the C API: see
 /// tests/c/test_core_defects.c.
 #[test]
-#[ignore = "core defect: after tidepool_record_use on a stream that is then retired, \
-            tidepool_free_async fails forever (record_event on the gone stream)"]
 fn c_free_after_the_use_stream_was_retired() {
     let out = out_dir("core-defects");
     let exe = out.join("test_core_defects");

@@ -1,5 +1,5 @@
-//! Defects found through the C ABI whose cause is in the pool itself; the C
-//! ABI works around them, these tests show them at the core's own API.
+//! Defects found through the C ABI whose cause was in the pool itself, kept
+//! as regression tests at the core's own API.
 
 use std::sync::Arc;
 use tidepool_core::{Device, MemPool, PoolConfig, Stream};
@@ -19,8 +19,6 @@ fn host_pool() -> (Arc<HostDevice>, MemPool<HostDevice>) {
 /// fails with a device error, puts the allocation back, and every later
 /// free of it fails the same way: the memory can never be freed.
 #[test]
-#[ignore = "core defect: MemPool::record_use_raw accepts a stream the device does not know, \
-            and the allocation can then never be freed"]
 fn record_use_of_an_unknown_stream_leaves_the_allocation_freeable() {
     let (dev, pool) = host_pool();
     let s = dev.default_stream();
@@ -37,8 +35,6 @@ fn record_use_of_an_unknown_stream_leaves_the_allocation_freeable() {
 /// The same through a retired stream: retired streams are refused for
 /// allocation, but a use on one is still noted.
 #[test]
-#[ignore = "core defect: MemPool::record_use_raw accepts a retired stream, \
-            and the allocation can then never be freed"]
 fn record_use_of_a_retired_stream_leaves_the_allocation_freeable() {
     let (dev, pool) = host_pool();
     let s = dev.default_stream();
@@ -60,8 +56,6 @@ fn record_use_of_a_retired_stream_leaves_the_allocation_freeable() {
 /// `record_stream` on a side stream that is destroyed and whose handle the
 /// driver reuses leaks the tensor's memory.
 #[test]
-#[ignore = "core defect: after record_use on a stream that is then retired and destroyed, \
-            free_raw fails forever (record_event on the gone stream)"]
 fn a_use_on_a_stream_retired_later_does_not_block_the_free() {
     let (dev, pool) = host_pool();
     let s = dev.default_stream();
@@ -84,8 +78,6 @@ fn a_use_on_a_stream_retired_later_does_not_block_the_free() {
 /// host pool's stream for an allocation. (The C ABI now tags its stream
 /// values per pool and never passes another pool's stream down.)
 #[test]
-#[ignore = "pool-sys defect: HostDevice::is_capturing answers for a stream of another \
-            host device (process-wide lookup cache)"]
 fn host_is_capturing_refuses_a_stream_of_another_device() {
     let (dev_a, _pool_a) = host_pool();
     let (dev_b, _pool_b) = host_pool();

@@ -1,8 +1,8 @@
-/* A defect of the pool itself, reached through the C API exactly as the
+/* A former defect of the pool, reached through the C API exactly as the
  * header allows: a use recorded with tidepool_record_use on a stream that
- * is retired afterwards makes the allocation impossible to free. Run by an
- * ignored test of tests/c_api.rs until the pool handles it. Exits 0 and
- * prints "core defect checks passed" when the free works. */
+ * is retired afterwards made the allocation impossible to free. Run by
+ * tests/c_api.rs. Exits 0 and prints "core defect checks passed" when the
+ * free works. */
 
 #include "tidepool.h"
 
