@@ -332,3 +332,147 @@ fn help_explains_columns_trace_format_and_exit_codes() {
         assert!(help.contains(needle), "{needle} missing from --help");
     }
 }
+
+#[test]
+fn live_bytes_that_overflow_are_a_parse_error() {
+    // Two allocations whose sizes add up past u64::MAX: the trace cannot
+    // describe a real program, and its peak live bytes cannot be counted.
+    let p = temp_file(
+        "overflow",
+        ".csv",
+        b"a,0,18446744073709551615,0\na,1,1,0\nf,0,0,0\nf,1,0,0\n",
+    );
+    let o = run(&["--backend", "host", p.to_str().unwrap()]);
+    assert_clean_failure(&o, 2, ":2:");
+    assert!(stderr(&o).contains("live bytes"), "{}", stderr(&o));
+    assert!(o.stdout.is_empty(), "nothing may be replayed");
+    let _ = std::fs::remove_file(p);
+}
+
+#[test]
+fn a_trace_that_never_holds_a_byte_exits_2() {
+    // Every allocation is of 0 bytes: peak live is 0, so the ratio
+    // (peak reserved / peak live) means nothing.
+    let p = temp_file(
+        "zero-bytes",
+        ".csv",
+        b"a,0,0,0\na,1,0,0\nf,0,0,0\nf,1,0,0\n",
+    );
+    let o = run(&["--backend", "host", p.to_str().unwrap()]);
+    assert_clean_failure(&o, 2, "never holds a byte");
+    assert!(o.stdout.is_empty(), "a table was printed");
+    // The same through --max-ops: a prefix of zero-byte allocations.
+    let q = temp_file(
+        "zero-prefix",
+        ".csv",
+        b"a,0,0,0\na,1,4096,0\nf,0,0,0\nf,1,0,0\n",
+    );
+    let o = run(&["--backend", "host", "--max-ops", "1", q.to_str().unwrap()]);
+    assert_clean_failure(&o, 2, "never holds a byte");
+    let _ = std::fs::remove_file(p);
+    let _ = std::fs::remove_file(q);
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn plot_path_that_cannot_be_created_exits_2_before_replaying() {
+    // /proc exists but nothing can be created in it (even by root).
+    let t = trace("gpt2-fixed.csv.gz");
+    let o = run(&[
+        "--backend",
+        "host",
+        "--plot",
+        "/proc/tidepool-timeline.svg",
+        "--max-ops",
+        "100",
+        t.to_str().unwrap(),
+    ]);
+    assert_clean_failure(&o, 2, "cannot be written");
+    assert!(o.stdout.is_empty(), "nothing may be replayed");
+
+    // A writable path is checked without leaving a file behind when the
+    // run then fails on its input.
+    let svg = std::env::temp_dir().join(format!("tidepool-probe-{}.svg", std::process::id()));
+    let o = run(&[
+        "--backend",
+        "host",
+        "--plot",
+        svg.to_str().unwrap(),
+        "/nonexistent.csv",
+    ]);
+    assert_clean_failure(&o, 2, "cannot read trace");
+    assert!(
+        !svg.exists(),
+        "the path check left {} behind",
+        svg.display()
+    );
+}
+
+#[test]
+fn an_allocation_beyond_the_pools_address_space_is_out_of_memory() {
+    // 1 TiB in one allocation: more than the pool's address space. The
+    // driver's pool answers such a request with out-of-memory, so the
+    // replayer counts it as one (exit 3), not as a device failure (exit 1).
+    let p = temp_file(
+        "huge",
+        ".csv",
+        b"a,0,1099511627776,0\nf,0,0,0\na,1,4096,0\nf,1,0,0\n",
+    );
+    let path = p.to_str().unwrap();
+    let o = run(&["--backend", "host", "--allocator", "tidepool", path]);
+    assert_clean_failure(&o, 3, "out-of-memory");
+    let o = run(&["--backend", "host", "--allow-oom", "--json", path]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let line = String::from_utf8(o.stdout).unwrap();
+    let v: serde_json::Value = serde_json::from_str(line.trim()).unwrap();
+    assert_eq!(v["ooms"], 1, "{line}");
+    assert_eq!(v["valid"], false, "{line}");
+    let _ = std::fs::remove_file(p);
+}
+
+#[test]
+fn a_header_after_a_byte_order_mark_is_accepted() {
+    // Spreadsheet programs and some editors on Windows start a UTF-8 CSV
+    // with a byte order mark.
+    let p = temp_file(
+        "bom",
+        ".csv",
+        b"\xef\xbb\xbfop,id,size,stream\na,0,4096,0\nf,0,0,0\n",
+    );
+    let o = run(&[
+        "--backend",
+        "host",
+        "--allocator",
+        "ideal",
+        "--json",
+        p.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let line = String::from_utf8(o.stdout).unwrap();
+    let v: serde_json::Value = serde_json::from_str(line.trim()).unwrap();
+    assert_eq!(v["ops"], 2, "{line}");
+    let _ = std::fs::remove_file(p);
+}
+
+#[test]
+fn an_unusable_rust_log_is_reported() {
+    let p = temp_file("badlog", ".csv", b"a,0,4096,0\nf,0,0,0\n");
+    let o = Command::new(replay_bin())
+        .args([
+            "--backend",
+            "host",
+            "--allocator",
+            "ideal",
+            p.to_str().unwrap(),
+        ])
+        .env("RUST_LOG", "tidepool=loud")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("RUST_LOG"),
+        "an invalid filter was silently ignored: {}",
+        stderr(&o)
+    );
+    let _ = std::fs::remove_file(p);
+}

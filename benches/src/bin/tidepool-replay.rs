@@ -127,8 +127,18 @@ const EXIT_INVALID: u8 = 3;
 /// Events of the pool and the replayer on stderr, filtered by `RUST_LOG`
 /// (default: warnings and errors only).
 fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(spec) if !spec.trim().is_empty() => {
+            tracing_subscriber::EnvFilter::try_new(&spec).unwrap_or_else(|e| {
+                eprintln!(
+                    "tidepool-replay: warning: RUST_LOG={spec:?} is not a valid filter ({e}); showing \
+                     warnings and errors only (examples: RUST_LOG=debug, RUST_LOG=tidepool=trace)"
+                );
+                tracing_subscriber::EnvFilter::new("warn")
+            })
+        }
+        _ => tracing_subscriber::EnvFilter::new("warn"),
+    };
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
