@@ -137,7 +137,7 @@ liveness_tests!(
          frees known complete are neither upgraded nor merged",
     liveness_fragmented_pool_has_no_false_oom:
         "no false out-of-memory: free pages whose sum covers a request that no free range \
-         fits are stitched into one range (issue 5), and live blocks keep their contents",
+         fits are stitched into one range, and live blocks keep their contents",
 );
 
 // ---------------------------------------------------------------------------
