@@ -476,3 +476,61 @@ fn an_unusable_rust_log_is_reported() {
     );
     let _ = std::fs::remove_file(p);
 }
+
+#[test]
+fn a_reader_that_stops_early_ends_the_run_quietly() {
+    // `tidepool-replay --json ... | head -1`: many more JSON lines than a
+    // pipe holds (each ~400 bytes, 20,000 of them), read one, close the pipe.
+    let t = trace("gpt2-fixed.csv.gz");
+    let mut child = Command::new(replay_bin())
+        .args([
+            "--backend",
+            "host",
+            "--allocator",
+            "ideal",
+            "--json",
+            "--passes",
+            "20000",
+            "--max-ops",
+            "1",
+            t.to_str().unwrap(),
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = child.stdout.take().unwrap();
+    let mut first = [0u8; 64];
+    use std::io::Read;
+    out.read_exact(&mut first).unwrap();
+    assert!(first.starts_with(b"{\"trace\""), "{first:?}");
+    drop(out);
+    let o = child.wait_with_output().unwrap();
+    let err = stderr(&o);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(o.status.code(), Some(0), "{err}");
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn an_output_that_cannot_be_written_is_an_error_not_a_panic() {
+    let t = trace("gpt2-fixed.csv.gz");
+    let full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .unwrap();
+    let o = Command::new(replay_bin())
+        .args([
+            "--backend",
+            "host",
+            "--allocator",
+            "ideal",
+            "--max-ops",
+            "10",
+        ])
+        .arg(&t)
+        .stdout(full)
+        .output()
+        .unwrap();
+    assert_clean_failure(&o, 1, "cannot write the results");
+}

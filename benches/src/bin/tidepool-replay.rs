@@ -46,9 +46,11 @@ OUTPUT (one row per trace, allocator and pass)
   counters) as one JSON object per line on stdout.
 
 EXIT STATUS
-  0 success; 1 the replay failed (a device error); 2 bad arguments or bad
-  input (nothing was replayed); 3 a pass had out-of-memory failures, so its
-  figures do not describe the trace (use --allow-oom to accept that).
+  0 success (or stdout closed early by its reader, as with `| head`); 1 the
+  replay failed (a device error) or its results or plot could not be
+  written; 2 bad arguments or bad input (nothing was replayed); 3 a pass had
+  out-of-memory failures, so its figures do not describe the trace (use
+  --allow-oom to accept that).
 
 LOGGING
   RUST_LOG=debug (or e.g. RUST_LOG=tidepool=trace) prints the pool's events
@@ -151,11 +153,33 @@ fn main() -> ExitCode {
     let args = Args::parse();
     match run(args) {
         Ok(()) => ExitCode::SUCCESS,
+        // Stdout closed by its reader: stop without a message.
+        Err((0, msg)) if msg.is_empty() => ExitCode::SUCCESS,
         Err((code, msg)) => {
             eprintln!("tidepool-replay: error: {msg}");
             ExitCode::from(code)
         }
     }
+}
+
+/// Write to stdout. A reader that went away (`| head`) ends the run quietly
+/// with status 0, as other command-line tools do; any other failure (a full
+/// disk) is an error with exit status 1.
+fn write_stdout(text: &str) -> Result<(), (u8, String)> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes())
+        .and_then(|()| out.flush())
+        .map_err(|e| {
+            if e.kind() == std::io::ErrorKind::BrokenPipe {
+                (0, String::new())
+            } else {
+                (
+                    EXIT_FAILURE,
+                    format!("cannot write the results to stdout: {e}"),
+                )
+            }
+        })
 }
 
 fn default_backend() -> Backend {
@@ -283,6 +307,7 @@ fn run(args: Args) -> Result<(), (u8, String)> {
     let mut all: Vec<Record> = Vec::new();
     let mut panels = Vec::new();
     let json = args.json;
+    let mut write_failed: Option<(u8, String)> = None;
     for trace in &traces {
         let mut trace_records = Vec::new();
         for &kind in &kinds {
@@ -292,13 +317,13 @@ fn run(args: Args) -> Result<(), (u8, String)> {
                 b.set_message(format!("{} / {kind}", trace.name));
             }
             let mut on_record = |rec: &Record| {
-                if json {
-                    let line = rec.to_json();
-                    if let Some(b) = &bar {
-                        b.suspend(|| println!("{line}"));
-                    } else {
-                        println!("{line}");
-                    }
+                if json && write_failed.is_none() {
+                    let line = format!("{}\n", rec.to_json());
+                    let written = match &bar {
+                        Some(b) => b.suspend(|| write_stdout(&line)),
+                        None => write_stdout(&line),
+                    };
+                    write_failed = written.err();
                 }
             };
             let mut progress = |done: usize| {
@@ -312,6 +337,9 @@ fn run(args: Args) -> Result<(), (u8, String)> {
             };
             let recs = session::replay(trace, kind, &opts, &mut on_record, &mut progress)
                 .map_err(|e| (EXIT_FAILURE, format!("{}: {e}", trace.name)))?;
+            if let Some(e) = write_failed.take() {
+                return Err(e);
+            }
             trace_records.extend(recs);
         }
         if args.plot.is_some() {
@@ -323,7 +351,7 @@ fn run(args: Args) -> Result<(), (u8, String)> {
         b.finish_and_clear();
     }
     if !json {
-        print!("{}", report::table(&all));
+        write_stdout(&report::table(&all))?;
     }
     if let Some(path) = &args.plot {
         plot::draw_svg(path, &panels).map_err(|e| (EXIT_FAILURE, e))?;
