@@ -141,3 +141,21 @@ fn an_unusable_rust_log_is_reported() {
         stderr(&o)
     );
 }
+
+#[cfg(target_os = "linux")]
+#[test]
+fn an_unwritable_stdout_is_an_error_not_a_panic() {
+    let full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .unwrap();
+    let o = Command::new(soak_bin())
+        .args(["--backend", "host", "--ops", "20", "--quiet"])
+        .stdout(full)
+        .output()
+        .unwrap();
+    let err = stderr(&o);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("cannot write the JSON line"), "{err}");
+}

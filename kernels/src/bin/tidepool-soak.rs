@@ -480,7 +480,17 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     let json = to_json(&report);
-    println!("{json}");
+    {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        if let Err(e) = writeln!(out, "{json}").and_then(|()| out.flush()) {
+            // A reader that went away (`| head -c0`) is not this run's failure.
+            if e.kind() != std::io::ErrorKind::BrokenPipe {
+                eprintln!("tidepool-soak: cannot write the JSON line to stdout: {e}");
+                return ExitCode::from(2);
+            }
+        }
+    }
     if let Some(path) = &args.out {
         if let Err(e) = std::fs::write(path, format!("{json}\n")) {
             eprintln!("tidepool-soak: writing {}: {e}", path.display());
