@@ -534,3 +534,55 @@ fn an_output_that_cannot_be_written_is_an_error_not_a_panic() {
         .unwrap();
     assert_clean_failure(&o, 1, "cannot write the results");
 }
+
+#[test]
+fn rows_can_be_told_apart() {
+    // The same allocator twice is replayed once.
+    let t = trace("gpt2-fixed.csv.gz");
+    let o = run(&[
+        "--backend",
+        "host",
+        "--allocator",
+        "ideal",
+        "--allocator",
+        "ideal",
+        "--json",
+        "--max-ops",
+        "100",
+        t.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = String::from_utf8(o.stdout).unwrap();
+    assert_eq!(out.lines().count(), 1, "{out}");
+
+    // Two traces with the same file name in different directories are
+    // named by their paths.
+    let base = std::env::temp_dir().join(format!("tidepool-same-name-{}", std::process::id()));
+    let (a, b) = (base.join("a"), base.join("b"));
+    std::fs::create_dir_all(&a).unwrap();
+    std::fs::create_dir_all(&b).unwrap();
+    let (pa, pb) = (a.join("x.csv"), b.join("x.csv.gz"));
+    std::fs::write(&pa, b"a,0,4096,0\nf,0,0,0\n").unwrap();
+    std::fs::write(&pb, gzip(b"a,0,8192,0\nf,0,0,0\n")).unwrap();
+    let o = run(&[
+        "--backend",
+        "host",
+        "--allocator",
+        "ideal",
+        "--json",
+        pa.to_str().unwrap(),
+        pb.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = String::from_utf8(o.stdout).unwrap();
+    let names: Vec<String> = out
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["trace"].as_str().unwrap().to_string()
+        })
+        .collect();
+    assert_eq!(names.len(), 2, "{out}");
+    assert_ne!(names[0], names[1], "{out}");
+    let _ = std::fs::remove_dir_all(base);
+}

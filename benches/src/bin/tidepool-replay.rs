@@ -11,7 +11,7 @@ use std::process::ExitCode;
 use tidepool_benches::replay::plot;
 use tidepool_benches::replay::report::{self, Record};
 use tidepool_benches::replay::session::{self, AllocatorKind, Backend, SessionOptions};
-use tidepool_benches::replay::Trace;
+use tidepool_benches::replay::{trace, Trace};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum BackendArg {
@@ -196,7 +196,14 @@ fn run(args: Args) -> Result<(), (u8, String)> {
         Some(BackendArg::Cuda) => Backend::Cuda,
         None => default_backend(),
     };
-    let mut kinds = args.allocators.clone();
+    // Each allocator once, in the order given: a repeat would only add a
+    // row that cannot be told from the first.
+    let mut kinds: Vec<AllocatorKind> = Vec::new();
+    for &k in &args.allocators {
+        if !kinds.contains(&k) {
+            kinds.push(k);
+        }
+    }
     if kinds.is_empty() {
         kinds.push(AllocatorKind::Tidepool);
     }
@@ -245,7 +252,18 @@ fn run(args: Args) -> Result<(), (u8, String)> {
         .map(|n| usize::try_from(n).unwrap_or(usize::MAX));
     let mut traces = Vec::new();
     for path in &args.traces {
-        let t = Trace::load(path, max_ops).map_err(|e| (EXIT_USAGE, e.to_string()))?;
+        let mut t = Trace::load(path, max_ops).map_err(|e| (EXIT_USAGE, e.to_string()))?;
+        // Two traces of the same file name (a/x.csv, b/x.csv.gz) would give
+        // rows, JSON lines and plot panels that cannot be told apart: name
+        // them by their paths instead.
+        let same_name = args
+            .traces
+            .iter()
+            .filter(|p| trace::trace_name(p) == t.name)
+            .count();
+        if same_name > 1 {
+            t.name = path.display().to_string();
+        }
         if let Some(capacity) = args.capacity {
             if (capacity as u64) < t.peak_live_bytes && !args.allow_oom {
                 return Err((
