@@ -586,3 +586,34 @@ fn rows_can_be_told_apart() {
     assert_ne!(names[0], names[1], "{out}");
     let _ = std::fs::remove_dir_all(base);
 }
+
+#[test]
+fn a_header_after_comments_is_accepted() {
+    let p = temp_file(
+        "comment-header",
+        ".csv",
+        b"# captured by hand\n\nop,id,size,stream\na,0,4096,0\nf,0,0,0\n",
+    );
+    let o = run(&[
+        "--backend",
+        "host",
+        "--allocator",
+        "ideal",
+        "--json",
+        p.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let line = String::from_utf8(o.stdout).unwrap();
+    let v: serde_json::Value = serde_json::from_str(line.trim()).unwrap();
+    assert_eq!(v["ops"], 2, "{line}");
+    let _ = std::fs::remove_file(p);
+}
+
+#[test]
+fn a_capacity_too_large_says_so() {
+    let t = trace("gpt2-fixed.csv.gz");
+    for cap in ["99999999999T", "99999999999999999999999"] {
+        let o = run(&["--backend", "host", "--capacity", cap, t.to_str().unwrap()]);
+        assert_clean_failure(&o, 2, "more bytes than this machine can address");
+    }
+}

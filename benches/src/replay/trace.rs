@@ -194,6 +194,7 @@ impl Trace {
 
         let mut buf = String::new();
         let mut lineno = 0usize;
+        let mut seen_content = false;
         loop {
             if ops.len() >= limit {
                 break;
@@ -226,7 +227,11 @@ impl Trace {
             if trimmed.is_empty() || trimmed.starts_with('#') {
                 continue;
             }
-            if lineno == 1 && trimmed.starts_with("op") {
+            // The header, if any, is the first line with content (comments
+            // and blank lines may come before it).
+            let first_content = !seen_content;
+            seen_content = true;
+            if first_content && trimmed.starts_with("op") {
                 let header: Vec<&str> = trimmed.split(',').map(str::trim).collect();
                 if header != ["op", "id", "size", "stream"] {
                     return Err(bad("header must be `op,id,size,stream`".into()));
