@@ -617,3 +617,19 @@ fn a_capacity_too_large_says_so() {
         assert_clean_failure(&o, 2, "more bytes than this machine can address");
     }
 }
+
+#[test]
+fn cuda_backend_without_a_driver_exits_2_before_reading_traces() {
+    if tidepool_benches::replay::session::cuda_available() {
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr().lock(),
+            "SKIP cuda_backend_without_a_driver_exits_2_before_reading_traces: a CUDA driver is present"
+        );
+        return;
+    }
+    // The trace does not exist: the driver check must come first.
+    let o = run(&["--backend", "cuda", "/nonexistent/trace.csv"]);
+    assert_clean_failure(&o, 2, "no usable CUDA driver");
+    assert!(!stderr(&o).contains("cannot read trace"), "{}", stderr(&o));
+}

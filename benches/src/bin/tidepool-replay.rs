@@ -48,9 +48,9 @@ OUTPUT (one row per trace, allocator and pass)
 EXIT STATUS
   0 success (or stdout closed early by its reader, as with `| head`); 1 the
   replay failed (a device error) or its results or plot could not be
-  written; 2 bad arguments or bad input (nothing was replayed); 3 a pass had
-  out-of-memory failures, so its figures do not describe the trace (use
-  --allow-oom to accept that).
+  written; 2 bad arguments, bad input or no CUDA driver for --backend cuda
+  (nothing was replayed); 3 a pass had out-of-memory failures, so its
+  figures do not describe the trace (use --allow-oom to accept that).
 
 LOGGING
   RUST_LOG=debug (or e.g. RUST_LOG=tidepool=trace) prints the pool's events
@@ -232,6 +232,17 @@ fn run(args: Args) -> Result<(), (u8, String)> {
         return Err((
             EXIT_USAGE,
             format!("allocator {k} needs the cuda backend; this run uses the {backend} backend"),
+        ));
+    }
+    if backend == Backend::Cuda && !session::cuda_available() {
+        // Before reading any trace: nothing can be replayed on this machine.
+        let why = tidepool_sys::cuda::driver_unavailable_reason().unwrap_or_default();
+        return Err((
+            EXIT_USAGE,
+            format!(
+                "--backend cuda: no usable CUDA driver ({why}); run on a machine with an NVIDIA \
+                 GPU and driver, or use --backend host"
+            ),
         ));
     }
     if args.capacity.is_some() && backend != Backend::Host {
