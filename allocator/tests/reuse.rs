@@ -1,7 +1,8 @@
-//! Contract tests of the reuse rules (DESIGN §1): same stream, follow event
-//! dependencies, opportunistic, internal dependencies, never too early,
-//! cross-stream frees and declared uses. Each test keeps the freeing stream
-//! busy where it matters, so that no other rule can explain a reuse.
+//! Contract tests of the reuse rules (docs/design.md, "The contract and where
+//! each rule comes from"): same stream, follow event dependencies,
+//! opportunistic, internal dependencies, never too early, cross-stream frees
+//! and declared uses. Each test keeps the freeing stream busy where it
+//! matters, so that no other rule can explain a reuse.
 
 mod common;
 

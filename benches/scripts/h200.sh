@@ -5,7 +5,7 @@
 #   bash benches/scripts/h200.sh evidence   # = tests replay soak memcheck
 #   bash benches/scripts/h200.sh benches    # criterion benches, quick mode
 #   bash benches/scripts/h200.sh tests replay soak   # any list of parts
-# (one device call may run 10 minutes: split the parts over calls.)
+# (where one command may run only so long, run the parts in separate commands.)
 set -u
 OUT=${OUT:-/tmp/tidepool-out}
 mkdir -p "$OUT"

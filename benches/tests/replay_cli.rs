@@ -332,3 +332,304 @@ fn help_explains_columns_trace_format_and_exit_codes() {
         assert!(help.contains(needle), "{needle} missing from --help");
     }
 }
+
+#[test]
+fn live_bytes_that_overflow_are_a_parse_error() {
+    // Two allocations whose sizes add up past u64::MAX: the trace cannot
+    // describe a real program, and its peak live bytes cannot be counted.
+    let p = temp_file(
+        "overflow",
+        ".csv",
+        b"a,0,18446744073709551615,0\na,1,1,0\nf,0,0,0\nf,1,0,0\n",
+    );
+    let o = run(&["--backend", "host", p.to_str().unwrap()]);
+    assert_clean_failure(&o, 2, ":2:");
+    assert!(stderr(&o).contains("live bytes"), "{}", stderr(&o));
+    assert!(o.stdout.is_empty(), "nothing may be replayed");
+    let _ = std::fs::remove_file(p);
+}
+
+#[test]
+fn a_trace_that_never_holds_a_byte_exits_2() {
+    // Every allocation is of 0 bytes: peak live is 0, so the ratio
+    // (peak reserved / peak live) means nothing.
+    let p = temp_file(
+        "zero-bytes",
+        ".csv",
+        b"a,0,0,0\na,1,0,0\nf,0,0,0\nf,1,0,0\n",
+    );
+    let o = run(&["--backend", "host", p.to_str().unwrap()]);
+    assert_clean_failure(&o, 2, "never holds a byte");
+    assert!(o.stdout.is_empty(), "a table was printed");
+    // The same through --max-ops: a prefix of zero-byte allocations.
+    let q = temp_file(
+        "zero-prefix",
+        ".csv",
+        b"a,0,0,0\na,1,4096,0\nf,0,0,0\nf,1,0,0\n",
+    );
+    let o = run(&["--backend", "host", "--max-ops", "1", q.to_str().unwrap()]);
+    assert_clean_failure(&o, 2, "never holds a byte");
+    let _ = std::fs::remove_file(p);
+    let _ = std::fs::remove_file(q);
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn plot_path_that_cannot_be_created_exits_2_before_replaying() {
+    // /proc exists but nothing can be created in it (even by root).
+    let t = trace("gpt2-fixed.csv.gz");
+    let o = run(&[
+        "--backend",
+        "host",
+        "--plot",
+        "/proc/tidepool-timeline.svg",
+        "--max-ops",
+        "100",
+        t.to_str().unwrap(),
+    ]);
+    assert_clean_failure(&o, 2, "cannot be written");
+    assert!(o.stdout.is_empty(), "nothing may be replayed");
+
+    // A writable path is checked without leaving a file behind when the
+    // run then fails on its input.
+    let svg = std::env::temp_dir().join(format!("tidepool-probe-{}.svg", std::process::id()));
+    let o = run(&[
+        "--backend",
+        "host",
+        "--plot",
+        svg.to_str().unwrap(),
+        "/nonexistent.csv",
+    ]);
+    assert_clean_failure(&o, 2, "cannot read trace");
+    assert!(
+        !svg.exists(),
+        "the path check left {} behind",
+        svg.display()
+    );
+}
+
+#[test]
+fn an_allocation_beyond_the_pools_address_space_is_out_of_memory() {
+    // 1 TiB in one allocation: more than the pool's address space. The
+    // driver's pool answers such a request with out-of-memory, so the
+    // replayer counts it as one (exit 3), not as a device failure (exit 1).
+    let p = temp_file(
+        "huge",
+        ".csv",
+        b"a,0,1099511627776,0\nf,0,0,0\na,1,4096,0\nf,1,0,0\n",
+    );
+    let path = p.to_str().unwrap();
+    let o = run(&["--backend", "host", "--allocator", "tidepool", path]);
+    assert_clean_failure(&o, 3, "out-of-memory");
+    let o = run(&["--backend", "host", "--allow-oom", "--json", path]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let line = String::from_utf8(o.stdout).unwrap();
+    let v: serde_json::Value = serde_json::from_str(line.trim()).unwrap();
+    assert_eq!(v["ooms"], 1, "{line}");
+    assert_eq!(v["valid"], false, "{line}");
+    let _ = std::fs::remove_file(p);
+}
+
+#[test]
+fn a_header_after_a_byte_order_mark_is_accepted() {
+    // Spreadsheet programs and some editors on Windows start a UTF-8 CSV
+    // with a byte order mark.
+    let p = temp_file(
+        "bom",
+        ".csv",
+        b"\xef\xbb\xbfop,id,size,stream\na,0,4096,0\nf,0,0,0\n",
+    );
+    let o = run(&[
+        "--backend",
+        "host",
+        "--allocator",
+        "ideal",
+        "--json",
+        p.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let line = String::from_utf8(o.stdout).unwrap();
+    let v: serde_json::Value = serde_json::from_str(line.trim()).unwrap();
+    assert_eq!(v["ops"], 2, "{line}");
+    let _ = std::fs::remove_file(p);
+}
+
+#[test]
+fn an_unusable_rust_log_is_reported() {
+    let p = temp_file("badlog", ".csv", b"a,0,4096,0\nf,0,0,0\n");
+    let o = Command::new(replay_bin())
+        .args([
+            "--backend",
+            "host",
+            "--allocator",
+            "ideal",
+            p.to_str().unwrap(),
+        ])
+        .env("RUST_LOG", "tidepool=loud")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("RUST_LOG"),
+        "an invalid filter was silently ignored: {}",
+        stderr(&o)
+    );
+    let _ = std::fs::remove_file(p);
+}
+
+#[test]
+fn a_reader_that_stops_early_ends_the_run_quietly() {
+    // `tidepool-replay --json ... | head -1`: many more JSON lines than a
+    // pipe holds (each ~400 bytes, 20,000 of them), read one, close the pipe.
+    let t = trace("gpt2-fixed.csv.gz");
+    let mut child = Command::new(replay_bin())
+        .args([
+            "--backend",
+            "host",
+            "--allocator",
+            "ideal",
+            "--json",
+            "--passes",
+            "20000",
+            "--max-ops",
+            "1",
+            t.to_str().unwrap(),
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = child.stdout.take().unwrap();
+    let mut first = [0u8; 64];
+    use std::io::Read;
+    out.read_exact(&mut first).unwrap();
+    assert!(first.starts_with(b"{\"trace\""), "{first:?}");
+    drop(out);
+    let o = child.wait_with_output().unwrap();
+    let err = stderr(&o);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(o.status.code(), Some(0), "{err}");
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn an_output_that_cannot_be_written_is_an_error_not_a_panic() {
+    let t = trace("gpt2-fixed.csv.gz");
+    let full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .unwrap();
+    let o = Command::new(replay_bin())
+        .args([
+            "--backend",
+            "host",
+            "--allocator",
+            "ideal",
+            "--max-ops",
+            "10",
+        ])
+        .arg(&t)
+        .stdout(full)
+        .output()
+        .unwrap();
+    assert_clean_failure(&o, 1, "cannot write the results");
+}
+
+#[test]
+fn rows_can_be_told_apart() {
+    // The same allocator twice is replayed once.
+    let t = trace("gpt2-fixed.csv.gz");
+    let o = run(&[
+        "--backend",
+        "host",
+        "--allocator",
+        "ideal",
+        "--allocator",
+        "ideal",
+        "--json",
+        "--max-ops",
+        "100",
+        t.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = String::from_utf8(o.stdout).unwrap();
+    assert_eq!(out.lines().count(), 1, "{out}");
+
+    // Two traces with the same file name in different directories are
+    // named by their paths.
+    let base = std::env::temp_dir().join(format!("tidepool-same-name-{}", std::process::id()));
+    let (a, b) = (base.join("a"), base.join("b"));
+    std::fs::create_dir_all(&a).unwrap();
+    std::fs::create_dir_all(&b).unwrap();
+    let (pa, pb) = (a.join("x.csv"), b.join("x.csv.gz"));
+    std::fs::write(&pa, b"a,0,4096,0\nf,0,0,0\n").unwrap();
+    std::fs::write(&pb, gzip(b"a,0,8192,0\nf,0,0,0\n")).unwrap();
+    let o = run(&[
+        "--backend",
+        "host",
+        "--allocator",
+        "ideal",
+        "--json",
+        pa.to_str().unwrap(),
+        pb.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = String::from_utf8(o.stdout).unwrap();
+    let names: Vec<String> = out
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["trace"].as_str().unwrap().to_string()
+        })
+        .collect();
+    assert_eq!(names.len(), 2, "{out}");
+    assert_ne!(names[0], names[1], "{out}");
+    let _ = std::fs::remove_dir_all(base);
+}
+
+#[test]
+fn a_header_after_comments_is_accepted() {
+    let p = temp_file(
+        "comment-header",
+        ".csv",
+        b"# captured by hand\n\nop,id,size,stream\na,0,4096,0\nf,0,0,0\n",
+    );
+    let o = run(&[
+        "--backend",
+        "host",
+        "--allocator",
+        "ideal",
+        "--json",
+        p.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let line = String::from_utf8(o.stdout).unwrap();
+    let v: serde_json::Value = serde_json::from_str(line.trim()).unwrap();
+    assert_eq!(v["ops"], 2, "{line}");
+    let _ = std::fs::remove_file(p);
+}
+
+#[test]
+fn a_capacity_too_large_says_so() {
+    let t = trace("gpt2-fixed.csv.gz");
+    for cap in ["99999999999T", "99999999999999999999999"] {
+        let o = run(&["--backend", "host", "--capacity", cap, t.to_str().unwrap()]);
+        assert_clean_failure(&o, 2, "more bytes than this machine can address");
+    }
+}
+
+#[test]
+fn cuda_backend_without_a_driver_exits_2_before_reading_traces() {
+    if tidepool_benches::replay::session::cuda_available() {
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr().lock(),
+            "SKIP cuda_backend_without_a_driver_exits_2_before_reading_traces: a CUDA driver is present"
+        );
+        return;
+    }
+    // The trace does not exist: the driver check must come first.
+    let o = run(&["--backend", "cuda", "/nonexistent/trace.csv"]);
+    assert_clean_failure(&o, 2, "no usable CUDA driver");
+    assert!(!stderr(&o).contains("cannot read trace"), "{}", stderr(&o));
+}

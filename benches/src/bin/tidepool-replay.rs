@@ -11,7 +11,7 @@ use std::process::ExitCode;
 use tidepool_benches::replay::plot;
 use tidepool_benches::replay::report::{self, Record};
 use tidepool_benches::replay::session::{self, AllocatorKind, Backend, SessionOptions};
-use tidepool_benches::replay::Trace;
+use tidepool_benches::replay::{trace, Trace};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum BackendArg {
@@ -46,8 +46,10 @@ OUTPUT (one row per trace, allocator and pass)
   counters) as one JSON object per line on stdout.
 
 EXIT STATUS
-  0 success; 1 the replay failed (a device error); 2 bad arguments or bad
-  input (nothing was replayed); 3 a pass had out-of-memory failures, so its
+  0 success (or stdout closed early by its reader, as with `| head`); 1 the
+  replay failed (a device error) or its results or plot could not be
+  written; 2 bad arguments, bad input or no CUDA driver for --backend cuda
+  (nothing was replayed); 3 a pass had out-of-memory failures, so its
   figures do not describe the trace (use --allow-oom to accept that).
 
 LOGGING
@@ -127,8 +129,18 @@ const EXIT_INVALID: u8 = 3;
 /// Events of the pool and the replayer on stderr, filtered by `RUST_LOG`
 /// (default: warnings and errors only).
 fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(spec) if !spec.trim().is_empty() => {
+            tracing_subscriber::EnvFilter::try_new(&spec).unwrap_or_else(|e| {
+                eprintln!(
+                    "tidepool-replay: warning: RUST_LOG={spec:?} is not a valid filter ({e}); showing \
+                     warnings and errors only (examples: RUST_LOG=debug, RUST_LOG=tidepool=trace)"
+                );
+                tracing_subscriber::EnvFilter::new("warn")
+            })
+        }
+        _ => tracing_subscriber::EnvFilter::new("warn"),
+    };
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -141,11 +153,33 @@ fn main() -> ExitCode {
     let args = Args::parse();
     match run(args) {
         Ok(()) => ExitCode::SUCCESS,
+        // Stdout closed by its reader: stop without a message.
+        Err((0, msg)) if msg.is_empty() => ExitCode::SUCCESS,
         Err((code, msg)) => {
             eprintln!("tidepool-replay: error: {msg}");
             ExitCode::from(code)
         }
     }
+}
+
+/// Write to stdout. A reader that went away (`| head`) ends the run quietly
+/// with status 0, as other command-line tools do; any other failure (a full
+/// disk) is an error with exit status 1.
+fn write_stdout(text: &str) -> Result<(), (u8, String)> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes())
+        .and_then(|()| out.flush())
+        .map_err(|e| {
+            if e.kind() == std::io::ErrorKind::BrokenPipe {
+                (0, String::new())
+            } else {
+                (
+                    EXIT_FAILURE,
+                    format!("cannot write the results to stdout: {e}"),
+                )
+            }
+        })
 }
 
 fn default_backend() -> Backend {
@@ -162,7 +196,14 @@ fn run(args: Args) -> Result<(), (u8, String)> {
         Some(BackendArg::Cuda) => Backend::Cuda,
         None => default_backend(),
     };
-    let mut kinds = args.allocators.clone();
+    // Each allocator once, in the order given: a repeat would only add a
+    // row that cannot be told from the first.
+    let mut kinds: Vec<AllocatorKind> = Vec::new();
+    for &k in &args.allocators {
+        if !kinds.contains(&k) {
+            kinds.push(k);
+        }
+    }
     if kinds.is_empty() {
         kinds.push(AllocatorKind::Tidepool);
     }
@@ -193,6 +234,17 @@ fn run(args: Args) -> Result<(), (u8, String)> {
             format!("allocator {k} needs the cuda backend; this run uses the {backend} backend"),
         ));
     }
+    if backend == Backend::Cuda && !session::cuda_available() {
+        // Before reading any trace: nothing can be replayed on this machine.
+        let why = tidepool_sys::cuda::driver_unavailable_reason().unwrap_or_default();
+        return Err((
+            EXIT_USAGE,
+            format!(
+                "--backend cuda: no usable CUDA driver ({why}); run on a machine with an NVIDIA \
+                 GPU and driver, or use --backend host"
+            ),
+        ));
+    }
     if args.capacity.is_some() && backend != Backend::Host {
         return Err((
             EXIT_USAGE,
@@ -211,7 +263,18 @@ fn run(args: Args) -> Result<(), (u8, String)> {
         .map(|n| usize::try_from(n).unwrap_or(usize::MAX));
     let mut traces = Vec::new();
     for path in &args.traces {
-        let t = Trace::load(path, max_ops).map_err(|e| (EXIT_USAGE, e.to_string()))?;
+        let mut t = Trace::load(path, max_ops).map_err(|e| (EXIT_USAGE, e.to_string()))?;
+        // Two traces of the same file name (a/x.csv, b/x.csv.gz) would give
+        // rows, JSON lines and plot panels that cannot be told apart: name
+        // them by their paths instead.
+        let same_name = args
+            .traces
+            .iter()
+            .filter(|p| trace::trace_name(p) == t.name)
+            .count();
+        if same_name > 1 {
+            t.name = path.display().to_string();
+        }
         if let Some(capacity) = args.capacity {
             if (capacity as u64) < t.peak_live_bytes && !args.allow_oom {
                 return Err((
@@ -273,6 +336,7 @@ fn run(args: Args) -> Result<(), (u8, String)> {
     let mut all: Vec<Record> = Vec::new();
     let mut panels = Vec::new();
     let json = args.json;
+    let mut write_failed: Option<(u8, String)> = None;
     for trace in &traces {
         let mut trace_records = Vec::new();
         for &kind in &kinds {
@@ -282,13 +346,13 @@ fn run(args: Args) -> Result<(), (u8, String)> {
                 b.set_message(format!("{} / {kind}", trace.name));
             }
             let mut on_record = |rec: &Record| {
-                if json {
-                    let line = rec.to_json();
-                    if let Some(b) = &bar {
-                        b.suspend(|| println!("{line}"));
-                    } else {
-                        println!("{line}");
-                    }
+                if json && write_failed.is_none() {
+                    let line = format!("{}\n", rec.to_json());
+                    let written = match &bar {
+                        Some(b) => b.suspend(|| write_stdout(&line)),
+                        None => write_stdout(&line),
+                    };
+                    write_failed = written.err();
                 }
             };
             let mut progress = |done: usize| {
@@ -302,6 +366,9 @@ fn run(args: Args) -> Result<(), (u8, String)> {
             };
             let recs = session::replay(trace, kind, &opts, &mut on_record, &mut progress)
                 .map_err(|e| (EXIT_FAILURE, format!("{}: {e}", trace.name)))?;
+            if let Some(e) = write_failed.take() {
+                return Err(e);
+            }
             trace_records.extend(recs);
         }
         if args.plot.is_some() {
@@ -313,7 +380,7 @@ fn run(args: Args) -> Result<(), (u8, String)> {
         b.finish_and_clear();
     }
     if !json {
-        print!("{}", report::table(&all));
+        write_stdout(&report::table(&all))?;
     }
     if let Some(path) = &args.plot {
         plot::draw_svg(path, &panels).map_err(|e| (EXIT_FAILURE, e))?;

@@ -27,7 +27,8 @@ const GIB: f64 = (1u64 << 30) as f64;
 
 /// Check, before any replay, that an SVG plot can be written to `path`:
 /// the name ends in `.svg` (PNG is not built in, to keep the replayer's
-/// build light) and the directory exists. The message says what to do.
+/// build light), the directory exists and the file can be created there.
+/// The message says what to do.
 pub fn check_path(path: &Path) -> Result<(), String> {
     let ext = path
         .extension()
@@ -65,7 +66,28 @@ pub fn check_path(path: &Path) -> Result<(), String> {
             dir.display()
         ));
     }
-    Ok(())
+    // Try the file itself: the directory may exist yet refuse new files
+    // (permissions, a read-only or virtual file system). An existing file is
+    // opened without truncating it; a new one is removed again, so a run
+    // that then fails leaves nothing behind.
+    let probe = if path.exists() {
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(path)
+            .map(|_| ())
+    } else {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(path)
+            .and_then(|_| std::fs::remove_file(path))
+    };
+    probe.map_err(|e| {
+        format!(
+            "--plot {}: cannot be written ({e}); name a file in a directory you can write to",
+            path.display()
+        )
+    })
 }
 
 /// Draw the panels, one above the other, into an SVG file.

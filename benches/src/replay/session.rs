@@ -322,8 +322,18 @@ pub fn parse_bytes(s: &str) -> Result<usize, String> {
         _ => (stripped, 0),
     };
     let bad = || format!("`{s}` is not a byte count (examples: 17179869184, 16G, 512M)");
-    let n: usize = digits.trim().parse().map_err(|_| bad())?;
-    n.checked_mul(1usize << shift).ok_or_else(bad)
+    let n: usize = digits
+        .trim()
+        .parse()
+        .map_err(|e: std::num::ParseIntError| {
+            if *e.kind() == std::num::IntErrorKind::PosOverflow {
+                format!("`{s}` is more bytes than this machine can address")
+            } else {
+                bad()
+            }
+        })?;
+    n.checked_mul(1usize << shift)
+        .ok_or_else(|| format!("`{s}` is more bytes than this machine can address"))
 }
 
 pub use super::allocators::cuda_available;

@@ -52,7 +52,10 @@ impl<D: Device> ReplayAllocator for TidepoolAlloc<D> {
         self.pool
             .alloc_async(size, self.streams.streams[stream])
             .map_err(|e| {
-                if e.is_out_of_memory() {
+                // A request larger than the pool's address space can never
+                // be served: the driver's pool answers it with out-of-memory
+                // too, so it is counted as one rather than stopping the run.
+                if e.is_out_of_memory() || matches!(e, PoolError::TooLarge { .. }) {
                     AllocError::OutOfMemory
                 } else {
                     AllocError::Failed(e.to_string())

@@ -55,6 +55,9 @@ pub enum TraceError {
     Io { path: PathBuf, source: io::Error },
     /// The file holds no operation (empty, or a header and comments only).
     Empty { path: PathBuf },
+    /// Every allocation (of the operations kept) is of 0 bytes, so the
+    /// trace never holds a byte and a ratio to its peak means nothing.
+    NoLiveBytes { path: PathBuf },
     /// A line is malformed or breaks the trace's rules.
     Parse {
         path: PathBuf,
@@ -79,6 +82,13 @@ impl fmt::Display for TraceError {
                  (see benches/traces/README.md)",
                 path.display()
             ),
+            TraceError::NoLiveBytes { path } => write!(
+                f,
+                "{}: the trace never holds a byte (every allocation replayed is of 0 bytes), so \
+                 there is no peak to compare the allocators' memory with; replay a trace (or \
+                 a --max-ops prefix) that allocates memory",
+                path.display()
+            ),
             TraceError::Parse {
                 path,
                 line,
@@ -93,7 +103,9 @@ impl std::error::Error for TraceError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             TraceError::Io { source, .. } => Some(source),
-            TraceError::Parse { .. } | TraceError::Empty { .. } => None,
+            TraceError::Parse { .. }
+            | TraceError::Empty { .. }
+            | TraceError::NoLiveBytes { .. } => None,
         }
     }
 }
@@ -103,7 +115,9 @@ impl TraceError {
     pub fn line(&self) -> Option<usize> {
         match self {
             TraceError::Parse { line, .. } => Some(*line),
-            TraceError::Io { .. } | TraceError::Empty { .. } => None,
+            TraceError::Io { .. } | TraceError::Empty { .. } | TraceError::NoLiveBytes { .. } => {
+                None
+            }
         }
     }
 }
@@ -123,7 +137,8 @@ impl Trace {
     /// Load a trace file, plain CSV or gzip (detected by its magic bytes,
     /// not its name). `max_ops` keeps only a prefix of the operations. A
     /// file with no operation is an error ([`TraceError::Empty`]), and so is
-    /// `max_ops == Some(0)`.
+    /// `max_ops == Some(0)`; so is one that never holds a byte
+    /// ([`TraceError::NoLiveBytes`]).
     pub fn load(path: &Path, max_ops: Option<usize>) -> Result<Trace, TraceError> {
         let start = Instant::now();
         let io_err = |source| TraceError::Io {
@@ -143,6 +158,11 @@ impl Trace {
         let mut trace = Trace::parse(reader, path, max_ops)?;
         if trace.ops.is_empty() {
             return Err(TraceError::Empty {
+                path: path.to_path_buf(),
+            });
+        }
+        if trace.peak_live_bytes == 0 {
+            return Err(TraceError::NoLiveBytes {
                 path: path.to_path_buf(),
             });
         }
@@ -174,6 +194,7 @@ impl Trace {
 
         let mut buf = String::new();
         let mut lineno = 0usize;
+        let mut seen_content = false;
         loop {
             if ops.len() >= limit {
                 break;
@@ -190,6 +211,12 @@ impl Trace {
             }
             lineno += 1;
             let line = buf.trim_end_matches(['\n', '\r']);
+            // A UTF-8 byte order mark (spreadsheets write one) is not content.
+            let line = if lineno == 1 {
+                line.strip_prefix('\u{feff}').unwrap_or(line)
+            } else {
+                line
+            };
             let bad = |reason: String| TraceError::Parse {
                 path: path.to_path_buf(),
                 line: lineno,
@@ -200,7 +227,11 @@ impl Trace {
             if trimmed.is_empty() || trimmed.starts_with('#') {
                 continue;
             }
-            if lineno == 1 && trimmed.starts_with("op") {
+            // The header, if any, is the first line with content (comments
+            // and blank lines may come before it).
+            let first_content = !seen_content;
+            seen_content = true;
+            if first_content && trimmed.starts_with("op") {
                 let header: Vec<&str> = trimmed.split(',').map(str::trim).collect();
                 if header != ["op", "id", "size", "stream"] {
                     return Err(bad("header must be `op,id,size,stream`".into()));
@@ -250,8 +281,13 @@ impl Trace {
                     };
                     live_ids.insert(id, (slot, size));
                     sizes.insert(size, ());
+                    live = live.checked_add(size as u64).ok_or_else(|| {
+                        bad(format!(
+                            "the live bytes ({live} before this allocation of {size}) overflow a \
+                             64-bit count; the sizes cannot be those of a real program"
+                        ))
+                    })?;
                     allocs += 1;
-                    live += size as u64;
                     peak = peak.max(live);
                     ops.push(TraceOp::Alloc { slot, size, stream });
                 }

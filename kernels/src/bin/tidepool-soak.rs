@@ -4,7 +4,8 @@
 //! Prints one line of JSON (the [`StressReport`] and the pool's statistics)
 //! to stdout, and to `--out FILE` when given. Exit status: 0 when the run
 //! found no mismatch and no access fault, 1 when it found any, 2 when it
-//! could not run (bad arguments, no device, a failing pool or kernel call).
+//! could not run (bad arguments, no device, a failing pool or kernel call, or
+//! no allocation succeeded).
 //! `RUST_LOG=debug` shows the pool's and the harness's events on stderr.
 //!
 //! ```text
@@ -35,7 +36,9 @@ enum BackendArg {
 }
 
 const AFTER_HELP: &str = "\
-Sizes accept K, M, G suffixes (powers of 1024); counts accept 0x hex and _.
+Sizes accept K, M, G, T suffixes (powers of 1024); counts accept 0x hex and _.
+A run in which no allocation succeeded (a pool cap or host capacity below
+one page) tested nothing: it exits 2.
 
 PHASES
   'standard' runs all reuse switches on, then each switch off in turn;
@@ -43,7 +46,8 @@ PHASES
   no-opportunistic, no-internal, no-wait-pending.
 
 EXIT STATUS
-  0 clean; 1 mismatching words or access faults found; 2 could not run.
+  0 clean; 1 mismatching words or access faults found; 2 could not run, or
+  allocated nothing.
 
 LOGGING
   RUST_LOG=debug (or e.g. RUST_LOG=tidepool=trace) prints events on stderr;
@@ -62,7 +66,7 @@ struct Args {
     #[arg(long, default_value_t = 0)]
     device: i32,
     /// Operations over all threads.
-    #[arg(long, default_value = "100000", value_parser = parse_u64)]
+    #[arg(long, default_value = "100000", value_parser = parse_positive)]
     ops: u64,
     /// Host threads.
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
@@ -71,14 +75,14 @@ struct Args {
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..))]
     streams: u64,
     /// Smallest allocation in bytes.
-    #[arg(long, value_name = "BYTES", default_value = "256", value_parser = parse_size)]
+    #[arg(long, value_name = "BYTES", default_value = "256", value_parser = parse_positive_size)]
     min_size: u64,
     /// Largest allocation in bytes [default: 64M on cuda, 4M on host].
     #[arg(long, value_name = "BYTES", value_parser = parse_size)]
     max_size: Option<u64>,
     /// Live allocations per thread.
-    #[arg(long, default_value_t = 16)]
-    max_live: usize,
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..))]
+    max_live: u64,
     /// Seed of the pseudo-random operation sequence.
     #[arg(long, default_value = "0x7D1E9001", value_parser = parse_u64)]
     seed: u64,
@@ -93,7 +97,7 @@ struct Args {
     release_threshold: Threshold,
     /// Cap of the pool's physical memory (forces remapping, internal
     /// dependencies and out-of-memory retries).
-    #[arg(long, value_name = "BYTES", value_parser = parse_size)]
+    #[arg(long, value_name = "BYTES", value_parser = parse_positive_size)]
     max_pool: Option<u64>,
     /// Pool page size [default: the device's granularity].
     #[arg(long, value_name = "BYTES", default_value = "0", value_parser = parse_size, hide_default_value = true)]
@@ -111,10 +115,10 @@ struct Args {
     #[arg(long, value_name = "LIST", default_value = "standard", value_parser = parse_phases)]
     phases: Phases,
     /// Stop gracefully after N seconds.
-    #[arg(long, value_name = "N", value_parser = parse_u64)]
+    #[arg(long, value_name = "N", value_parser = parse_positive)]
     time_limit_s: Option<u64>,
     /// Host backend: device memory.
-    #[arg(long, value_name = "BYTES", default_value = "8G", value_parser = parse_size)]
+    #[arg(long, value_name = "BYTES", default_value = "8G", value_parser = parse_positive_size)]
     host_capacity: u64,
     /// Also write the JSON line to FILE.
     #[arg(long, value_name = "FILE")]
@@ -157,11 +161,60 @@ fn parse_size(s: &str) -> Result<u64, String> {
         Some('k' | 'K') => (&s[..s.len() - 1], 1u64 << 10),
         Some('m' | 'M') => (&s[..s.len() - 1], 1 << 20),
         Some('g' | 'G') => (&s[..s.len() - 1], 1 << 30),
+        Some('t' | 'T') => (&s[..s.len() - 1], 1 << 40),
         _ => (s, 1),
     };
     let n = parse_u64(num)?;
     n.checked_mul(mul)
         .ok_or_else(|| format!("size {s} overflows"))
+}
+
+/// A count that must be at least 1 (0 would make the run test nothing).
+fn parse_positive(s: &str) -> Result<u64, String> {
+    match parse_u64(s)? {
+        0 => Err("must be at least 1".into()),
+        n => Ok(n),
+    }
+}
+
+/// A size that must be at least 1 byte.
+fn parse_positive_size(s: &str) -> Result<u64, String> {
+    match parse_size(s)? {
+        0 => Err("must be at least 1 byte".into()),
+        n => Ok(n),
+    }
+}
+
+/// Check, before the run, that `path` can be written: it is not a
+/// directory and its directory accepts the file. An existing file is
+/// opened without truncating it; a new one is removed again, so a run that
+/// then fails leaves nothing behind.
+fn check_out_path(path: &std::path::Path) -> Result<(), String> {
+    if path.is_dir() {
+        return Err(format!(
+            "--out {}: is a directory; name a file",
+            path.display()
+        ));
+    }
+    let probe = if path.exists() {
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(path)
+            .map(|_| ())
+    } else {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(path)
+            .and_then(|_| std::fs::remove_file(path))
+    };
+    probe.map_err(|e| {
+        format!(
+            "--out {}: cannot be written ({e}); name a file in an existing directory you can \
+             write to",
+            path.display()
+        )
+    })
 }
 
 fn parse_u64(s: &str) -> Result<u64, String> {
@@ -210,7 +263,7 @@ fn stress_config(a: &Args) -> StressConfig {
         threads: a.threads as usize,
         min_size: a.min_size as usize,
         max_size: max_size as usize,
-        max_live_per_thread: a.max_live,
+        max_live_per_thread: a.max_live as usize,
         seed: a.seed,
         trim_every: a.trim_every,
         sync_every: a.sync_every,
@@ -286,8 +339,18 @@ fn to_json(r: &StressReport) -> String {
 
 /// Events on stderr, filtered by `RUST_LOG` (default: warnings and errors).
 fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(spec) if !spec.trim().is_empty() => {
+            tracing_subscriber::EnvFilter::try_new(&spec).unwrap_or_else(|e| {
+                eprintln!(
+                    "tidepool-soak: warning: RUST_LOG={spec:?} is not a valid filter ({e}); showing \
+                     warnings and errors only (examples: RUST_LOG=debug, RUST_LOG=tidepool=trace)"
+                );
+                tracing_subscriber::EnvFilter::new("warn")
+            })
+        }
+        _ => tracing_subscriber::EnvFilter::new("warn"),
+    };
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -354,6 +417,12 @@ fn main() -> ExitCode {
     init_logging();
     let args = Args::parse();
     let cfg = stress_config(&args);
+    if let Some(path) = &args.out {
+        if let Err(e) = check_out_path(path) {
+            eprintln!("tidepool-soak: {e}");
+            return ExitCode::from(2);
+        }
+    }
     if cfg.min_size > cfg.max_size {
         eprintln!(
             "tidepool-soak: --min-size {} is above the largest allocation {}; lower it or raise \
@@ -401,8 +470,27 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if report.allocs == 0 {
+        eprintln!(
+            "tidepool-soak: the run allocated nothing ({} operations, {} out-of-memory \
+             failures): it tested nothing; raise --max-pool (or --host-capacity on the host \
+             backend) above one page of the device",
+            report.ops, report.ooms
+        );
+        return ExitCode::from(2);
+    }
     let json = to_json(&report);
-    println!("{json}");
+    {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        if let Err(e) = writeln!(out, "{json}").and_then(|()| out.flush()) {
+            // A reader that went away (`| head -c0`) is not this run's failure.
+            if e.kind() != std::io::ErrorKind::BrokenPipe {
+                eprintln!("tidepool-soak: cannot write the JSON line to stdout: {e}");
+                return ExitCode::from(2);
+            }
+        }
+    }
     if let Some(path) = &args.out {
         if let Err(e) = std::fs::write(path, format!("{json}\n")) {
             eprintln!("tidepool-soak: writing {}: {e}", path.display());
