@@ -21,8 +21,12 @@
 //! page (allocations of a page or more start on a page boundary).
 //!
 //! The lease orders the hand-over. Word 0 counts live imports and carries a
-//! `CLOSED` bit; word 1 is a random tag that ties the lease to its
-//! descriptor. An import adds one unless the lease is closed (then
+//! `CLOSED` bit; word 1 is the *seal*: a hash of the descriptor bytes
+//! (which hold a fresh random tag) and of the identity (device and inode)
+//! of every page's file descriptor, in order. The importer recomputes it
+//! from what it received, so a descriptor that was corrupted, truncated or
+//! combined with another export's (or any other) file descriptors is
+//! refused before anything is mapped. An import adds one unless the lease is closed (then
 //! [`PoolError::ExportClosed`]); a release subtracts one after unmapping.
 //! The exporter's [`MemPool::free_async`] closes every lease of the
 //! allocation when no import is live, and refuses the free with
@@ -35,11 +39,13 @@
 //! until the pool is dropped.
 
 use crate::error::PoolError;
+use crate::policy::ArenaState;
 use crate::pool::{Allocation, MemPool};
 use crate::sync::{lock, Arc, Mutex};
 use std::collections::HashMap;
 use std::fmt;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::MetadataExt;
 use std::sync::atomic::Ordering;
 use tidepool_sys::ipc::SharedWords;
 use tidepool_sys::{Access, AccessDesc, Device, DevicePtr, Physical};
@@ -348,30 +354,26 @@ impl<D: Device> MemPool<D> {
         check_peer(&*inner.device, device)?;
         // The arena lock keeps binds out while the list and the pages change
         // together (binds read the list under it).
+        // Imports are held too (an import applies the list under that
+        // lock), so that they follow the list as well.
         let st = lock(&inner.arena);
-        let page = st.arena.page;
-        let ptrs: Vec<DevicePtr> = st
-            .arena
-            .phys
-            .iter()
-            .flat_map(|(_, ph)| ph.mappings.iter())
-            .map(|&p| inner.base + (p * page) as u64)
-            .collect();
+        let imports = lock(&inner.share.imports);
+        let ptrs = mapped_pages(&st, inner.base, &imports);
         let mut list = lock(&inner.share.access);
         let before = list
             .iter()
             .find(|a| a.device == device)
             .map_or(Access::None, |a| a.access);
         let desc = [AccessDesc { device, access }];
-        for (k, &ptr) in ptrs.iter().enumerate() {
-            if let Err(e) = inner.device.set_access(ptr, page, &desc) {
+        for (k, &(ptr, size)) in ptrs.iter().enumerate() {
+            if let Err(e) = inner.device.set_access(ptr, size, &desc) {
                 // Put back what was changed, so that every page agrees again.
                 let undo = [AccessDesc {
                     device,
                     access: before,
                 }];
-                for &q in &ptrs[..k] {
-                    if let Err(e2) = inner.device.set_access(q, page, &undo) {
+                for &(q, qsize) in &ptrs[..k] {
+                    if let Err(e2) = inner.device.set_access(q, qsize, &undo) {
                         tracing::warn!(error = %e2, "restoring peer access failed");
                     }
                 }
@@ -383,6 +385,7 @@ impl<D: Device> MemPool<D> {
             list.push(AccessDesc { device, access });
         }
         drop(list);
+        drop(imports);
         drop(st);
         tracing::debug!(
             pool = inner.id,
@@ -395,13 +398,13 @@ impl<D: Device> MemPool<D> {
     }
 
     /// The access `device` has to the pool's memory, read back from the
-    /// driver (`cuMemGetAccess`) on every page the pool has mapped; when
-    /// the pool has no page mapped, the access it will give new pages.
+    /// driver (`cuMemGetAccess`) on every page the pool has mapped, its
+    /// imports' pages included; when the pool has no page mapped, the
+    /// access it will give new pages.
     /// Pages that disagree are [`PoolError::AccessMismatch`] (a bug).
     pub fn access(&self, device: i32) -> Result<Access, PoolError> {
         let inner = &*self.inner;
         let st = lock(&inner.arena);
-        let page = st.arena.page;
         let expected = if device == inner.device.ordinal() {
             Access::ReadWrite
         } else {
@@ -410,18 +413,16 @@ impl<D: Device> MemPool<D> {
                 .find(|a| a.device == device)
                 .map_or(Access::None, |a| a.access)
         };
-        for (_, ph) in st.arena.phys.iter() {
-            for &p in &ph.mappings {
-                let ptr = inner.base + (p * page) as u64;
-                let found = inner.device.get_access(ptr, device)?;
-                if found != expected {
-                    return Err(PoolError::AccessMismatch {
-                        device,
-                        ptr,
-                        expected,
-                        found,
-                    });
-                }
+        let imports = lock(&inner.share.imports);
+        for (ptr, _) in mapped_pages(&st, inner.base, &imports) {
+            let found = inner.device.get_access(ptr, device)?;
+            if found != expected {
+                return Err(PoolError::AccessMismatch {
+                    device,
+                    ptr,
+                    expected,
+                    found,
+                });
             }
         }
         Ok(expected)
@@ -451,7 +452,6 @@ impl<D: Device> MemPool<D> {
         }
         let tag = fresh_tag();
         let lease = SharedWords::create(2)?;
-        lease.word(1).store(tag, Ordering::Release);
         let mut fds = vec![lease.share()?];
         let st = lock(&inner.arena);
         let page = st.arena.page;
@@ -483,6 +483,12 @@ impl<D: Device> MemPool<D> {
             page: page as u64,
             pages: (last - first + 1) as u32,
         };
+        let descriptor = desc.bytes();
+        let (page_fds, identities) = identify(fds.split_off(1))?;
+        fds.extend(page_fds);
+        lease
+            .word(1)
+            .store(seal(&descriptor, &identities), Ordering::Release);
         lock(&inner.share.exports)
             .entry(allocation.ptr)
             .or_default()
@@ -493,10 +499,7 @@ impl<D: Device> MemPool<D> {
             pages = desc.pages,
             "exported"
         );
-        Ok(ExportedAllocation {
-            descriptor: desc.bytes(),
-            fds,
-        })
+        Ok(ExportedAllocation { descriptor, fds })
     }
 
     /// Live imports of `allocation` (over all its exports), as the leases
@@ -536,18 +539,25 @@ impl<D: Device> MemPool<D> {
                 exported.fds.len()
             )));
         }
-        if page == 0 || page % dev.granularity() != 0 || d.offset + d.size > (page * pages) as u64 {
+        let extent = page.checked_mul(pages).map(|b| b as u64);
+        let end = d.offset.checked_add(d.size);
+        if page == 0
+            || page % dev.granularity() != 0
+            || !matches!((end, extent), (Some(end), Some(extent)) if end <= extent && d.offset < d.page)
+        {
             return Err(bad(format!(
                 "page size {page} or extent is not usable with granularity {}",
                 dev.granularity()
             )));
         }
-        let mut fds = exported.fds.into_iter();
-        let lease = SharedWords::open(fds.next().expect("checked length"), 2)
+        let mut fds = exported.fds;
+        let (page_fds, identities) = identify(fds.split_off(1))?;
+        let lease = SharedWords::open(fds.pop().expect("checked length"), 2)
             .map_err(|e| bad(format!("the lease cannot be opened: {e}")))?;
-        if lease.word(1).load(Ordering::Acquire) != d.tag {
+        if lease.word(1).load(Ordering::Acquire) != seal(&exported.descriptor, &identities) {
             return Err(bad(
-                "the lease belongs to another export (descriptor and file descriptors mixed up)"
+                "the descriptor, its lease and its page file descriptors do not belong together \
+                 (corrupted, or mixed with another export's)"
                     .into(),
             ));
         }
@@ -567,10 +577,24 @@ impl<D: Device> MemPool<D> {
             }
         }
         let lease = Arc::new(lease);
-        match self.map_import(fds.collect(), page) {
-            Ok((va, handles)) => {
+        let mapped = self.map_import(page_fds, page).and_then(|(va, handles)| {
+            // The access list is read and applied under the imports lock,
+            // which `set_access` also holds while it changes the list and
+            // the live imports: an import made meanwhile gets the new list.
+            let imports = lock(&inner.share.imports);
+            match dev.set_access(va, page * pages, &inner.share.access_list()) {
+                Ok(()) => Ok((va, handles, imports)),
+                Err(e) => {
+                    drop(imports);
+                    undo_import(dev, va, page, pages, &handles, page * pages);
+                    Err(e.into())
+                }
+            }
+        });
+        match mapped {
+            Ok((va, handles, mut imports)) => {
                 let ptr = va + d.offset;
-                lock(&inner.share.imports).insert(
+                imports.insert(
                     ptr,
                     ImportRecord {
                         va,
@@ -604,7 +628,7 @@ impl<D: Device> MemPool<D> {
         let va = dev.reserve_va(total, page)?;
         let mut handles = Vec::with_capacity(fds.len());
         let mut mapped = 0usize;
-        let result = (|| {
+        let result = (|| -> Result<(), tidepool_sys::SysError> {
             for fd in fds {
                 handles.push(dev.import_fd(fd, page)?);
             }
@@ -612,15 +636,12 @@ impl<D: Device> MemPool<D> {
                 dev.map(va + (i * page) as u64, page, h, 0)?;
                 mapped += 1;
             }
-            dev.set_access(va, total, &self.inner.share.access_list())
+            Ok(())
         })();
         match result {
             Ok(()) => Ok((va, handles)),
             Err(e) => {
-                unmap_release(dev, va, page, mapped, &handles);
-                if let Err(e2) = dev.free_va(va, total) {
-                    tracing::warn!(error = %e2, "freeing an import's reservation failed");
-                }
+                undo_import(dev, va, page, mapped, &handles, total);
                 Err(e.into())
             }
         }
@@ -659,6 +680,85 @@ impl<D: Device> MemPool<D> {
     pub fn live_imports(&self) -> usize {
         lock(&self.inner.share.imports).len()
     }
+}
+
+/// Every page the pool maps, as (address, bytes): its own mappings (active
+/// and ghost), then every page of its imports.
+fn mapped_pages(
+    st: &ArenaState,
+    base: DevicePtr,
+    imports: &HashMap<DevicePtr, ImportRecord>,
+) -> Vec<(DevicePtr, usize)> {
+    let page = st.arena.page;
+    let own = st
+        .arena
+        .phys
+        .iter()
+        .flat_map(|(_, ph)| ph.mappings.iter())
+        .map(|&p| (base + (p * page) as u64, page));
+    let imported = imports
+        .values()
+        .flat_map(|r| (0..r.handles.len()).map(move |i| (r.va + (i * r.page) as u64, r.page)));
+    own.chain(imported).collect()
+}
+
+/// Unmap the first `mapped` pages of an import, release its handles and
+/// its reservation (`total` bytes).
+fn undo_import<D: Device>(
+    dev: &D,
+    va: DevicePtr,
+    page: usize,
+    mapped: usize,
+    handles: &[Physical],
+    total: usize,
+) {
+    unmap_release(dev, va, page, mapped, handles);
+    if let Err(e) = dev.free_va(va, total) {
+        tracing::warn!(error = %e, "freeing an import's reservation failed");
+    }
+}
+
+/// A file's identity: (device, inode).
+type FileId = (u64, u64);
+
+/// The identity (device, inode) of each file descriptor, which every
+/// process holding the same file sees alike. Gives the descriptors back.
+fn identify(fds: Vec<OwnedFd>) -> Result<(Vec<OwnedFd>, Vec<FileId>), PoolError> {
+    let mut out = Vec::with_capacity(fds.len());
+    let mut ids = Vec::with_capacity(fds.len());
+    for fd in fds {
+        let file = std::fs::File::from(fd);
+        let meta = file.metadata().map_err(|e| PoolError::BadDescriptor {
+            reason: format!("a page's file descriptor cannot be examined: {e}"),
+        })?;
+        ids.push((meta.dev(), meta.ino()));
+        out.push(OwnedFd::from(file));
+    }
+    Ok((out, ids))
+}
+
+/// The lease's seal: FNV-1a over the descriptor bytes and the identities
+/// of the page file descriptors, finished with a mixer. Not a defence
+/// against a forger (who holds the file descriptors anyway), but any
+/// corruption or mix-up changes it.
+fn seal(descriptor: &[u8], identities: &[FileId]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |b: u8| {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    };
+    for &b in descriptor {
+        eat(b);
+    }
+    for &(dev, ino) in identities {
+        for b in dev.to_le_bytes().into_iter().chain(ino.to_le_bytes()) {
+            eat(b);
+        }
+    }
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    h ^= h >> 33;
+    h
 }
 
 fn unmap_release<D: Device>(
