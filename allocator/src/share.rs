@@ -519,7 +519,11 @@ impl<D: Device> MemPool<D> {
     /// applied. Fails with [`PoolError::ExportClosed`] when the exporter
     /// has already freed the allocation, [`PoolError::BadDescriptor`] when
     /// the descriptor or its file descriptors do not fit together or come
-    /// from another backend. On failure nothing stays mapped or reserved.
+    /// from another backend, or were corrupted or mixed up on the way (the
+    /// lease's seal covers the descriptor and the page file descriptors).
+    /// On failure nothing stays mapped or reserved. The import is the
+    /// exporter's memory: it counts neither in this pool's statistics nor
+    /// against its `max_size`.
     pub fn import(&self, exported: ExportedAllocation) -> Result<ImportedAllocation, PoolError> {
         let inner = &*self.inner;
         let dev = &*inner.device;

@@ -487,3 +487,67 @@ fn sent_over_a_socket_with_a_closed_peer_is_an_error() {
     drop(e);
     s.exporter.free_async(a, s.stream).unwrap();
 }
+
+const KILLED_ROLE: &str = "TIDEPOOL_ATTACK_KILLED_CHILD";
+
+/// An importer killed while it maps the allocation never gives its place
+/// on the lease back: the exporter's free stays refused (and says so), the
+/// rest of the pool goes on, and dropping the pool lets everything go.
+#[test]
+fn importer_killed_while_it_maps() {
+    use std::os::unix::net::UnixListener;
+    use std::process::{Command, Stdio};
+    const NAME: &str = "importer_killed_while_it_maps";
+    if let Ok(path) = std::env::var(KILLED_ROLE) {
+        // The child: import, say so, then wait to be killed.
+        let sock = UnixStream::connect(path).expect("connect");
+        let dev = host();
+        let p = pool(&dev);
+        let imp = p.import(ExportedAllocation::recv(&sock).unwrap()).unwrap();
+        tidepool_sys::ipc::send_message(&sock, &imp.ptr().to_le_bytes(), &[]).unwrap();
+        std::thread::sleep(std::time::Duration::from_secs(600));
+        unreachable!("killed by the parent");
+    }
+    let s = setup();
+    let path = std::env::temp_dir().join(format!("tidepool-attack-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path).expect("bind");
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([NAME, "--exact", "--nocapture", "--test-threads=1"])
+        .env(KILLED_ROLE, &path)
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("spawn the test binary");
+    let (sock, _) = listener.accept().expect("accept");
+    let _ = std::fs::remove_file(&path);
+    let a = alloc(&s, 2 * PAGE);
+    let other = alloc(&s, PAGE);
+    s.exporter.export(&a).unwrap().send(&sock).unwrap();
+    let (msg, _) = tidepool_sys::ipc::recv_message(&sock).expect("child imported");
+    assert_eq!(msg.len(), 8);
+    child.kill().expect("kill the importer");
+    child.wait().expect("reap");
+    assert_eq!(s.exporter.outstanding_imports(&a), 1, "the dead import");
+    let a = match s.exporter.free_async(a, s.stream) {
+        Err(f) => {
+            assert!(
+                matches!(f.error, PoolError::ExportInUse { imports: 1, .. }),
+                "{:?}",
+                f.error
+            );
+            f.allocation
+        }
+        Ok(()) => panic!("freed while a (dead) process maps it"),
+    };
+    // The rest of the pool works.
+    s.exporter.free_async(other, s.stream).unwrap();
+    let b = alloc(&s, PAGE);
+    s.exporter.free_async(b, s.stream).unwrap();
+    // Dropping the pool with the allocation still live releases it all.
+    let Setup {
+        exp_dev, exporter, ..
+    } = s;
+    std::mem::forget(a);
+    drop(exporter);
+    assert_eq!(footprint(&exp_dev), (0, 0, 0), "the exporter let go");
+}
