@@ -29,7 +29,8 @@
 //! refused before anything is mapped. An import adds one unless the lease is closed (then
 //! [`PoolError::ExportClosed`]); a release subtracts one after unmapping.
 //! The exporter's [`MemPool::free_async`] closes every lease of the
-//! allocation when no import is live, and refuses the free with
+//! allocation when no import is live (marking them `CLOSING` first, so that
+//! a free refused because of one lease never shows another closed), and refuses the free with
 //! [`PoolError::ExportInUse`] (handing the allocation back) while one is.
 //! So the exporter can never reuse, move or release the pages while another
 //! process maps them: a live allocation's pages are never remapped (only
@@ -52,6 +53,15 @@ use tidepool_sys::{Access, AccessDesc, Device, DevicePtr, Physical};
 
 /// Bit of a lease's word 0 set once the exporter has freed the allocation.
 const CLOSED: u64 = 1 << 63;
+/// Bit of a lease's word 0 set while the exporter's free decides whether
+/// every lease of the allocation can be closed: an import waits for the
+/// decision rather than take a lease that may close, or report a close
+/// that is taken back.
+const CLOSING: u64 = 1 << 62;
+const FLAGS: u64 = CLOSED | CLOSING;
+/// Polls of a `CLOSING` lease before an import gives up (the exporter
+/// resolves it within a few atomic operations, unless it died meanwhile).
+const CLOSING_POLLS: u32 = 100_000;
 const MAGIC: u32 = 0x5450_5831; // "TPX1"
 const DESCRIPTOR_BYTES: usize = 64;
 
@@ -112,21 +122,24 @@ impl ShareState {
         let Some(leases) = exports.get(&ptr) else {
             return Ok(());
         };
-        let mut closed = Vec::new();
+        // Two phases, so that no lease is ever seen closed unless all close:
+        // mark every idle lease `CLOSING` (imports of it wait), then either
+        // close them all or take the marks back.
+        let mut marked = Vec::new();
         for lease in leases {
             let word = lease.word(0);
-            match word.compare_exchange(0, CLOSED, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => closed.push(lease),
+            match word.compare_exchange(0, CLOSING, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => marked.push(lease),
                 Err(v) if v & CLOSED != 0 => {}
                 Err(live) => {
-                    for l in closed {
-                        l.word(0).fetch_and(!CLOSED, Ordering::AcqRel);
+                    for l in marked {
+                        l.word(0).fetch_and(!CLOSING, Ordering::AcqRel);
                     }
                     let imports = leases
                         .iter()
-                        .map(|l| l.word(0).load(Ordering::Acquire) & !CLOSED)
+                        .map(|l| l.word(0).load(Ordering::Acquire) & !FLAGS)
                         .sum::<u64>()
-                        .max(live);
+                        .max(live & !FLAGS);
                     tracing::warn!(
                         ptr,
                         imports,
@@ -135,6 +148,10 @@ impl ShareState {
                     return Err(PoolError::ExportInUse { ptr, imports });
                 }
             }
+        }
+        for l in marked {
+            // CLOSING -> CLOSED: nobody else changes a marked word.
+            l.word(0).store(CLOSED, Ordering::Release);
         }
         exports.remove(&ptr);
         Ok(())
@@ -509,7 +526,7 @@ impl<D: Device> MemPool<D> {
             .get(&allocation.ptr)
             .map_or(0, |ls| {
                 ls.iter()
-                    .map(|l| l.word(0).load(Ordering::Acquire) & !CLOSED)
+                    .map(|l| l.word(0).load(Ordering::Acquire) & !FLAGS)
                     .sum()
             })
     }
@@ -568,8 +585,20 @@ impl<D: Device> MemPool<D> {
         // Take a place on the lease, unless the exporter has freed.
         let word = lease.word(0);
         let mut cur = word.load(Ordering::Acquire);
+        let mut polls = 0u32;
         loop {
-            if cur & CLOSED != 0 {
+            if cur & CLOSING != 0 && polls < CLOSING_POLLS {
+                // The exporter's free is deciding: wait for it.
+                polls += 1;
+                if polls < 64 {
+                    std::thread::yield_now();
+                } else {
+                    std::thread::sleep(std::time::Duration::from_micros(10));
+                }
+                cur = word.load(Ordering::Acquire);
+                continue;
+            }
+            if cur & FLAGS != 0 {
                 return Err(PoolError::ExportClosed {
                     exporter_pid: d.pid,
                     pool: d.pool,

@@ -551,3 +551,42 @@ fn importer_killed_while_it_maps() {
     drop(exporter);
     assert_eq!(footprint(&exp_dev), (0, 0, 0), "the exporter let go");
 }
+
+/// A refused free must not close, even for a moment, the lease of another
+/// export of the same allocation: an import racing with it would be told
+/// the exporter freed (`ExportClosed`) although the allocation lives on.
+#[test]
+fn refused_free_never_closes_a_lease_for_a_moment() {
+    let s = Arc::new(setup());
+    let a = alloc(&s, PAGE);
+    // Export A (its lease first in the allocation's list) stays unimported;
+    // export B is imported and held, so every free is refused.
+    let ea = s.exporter.export(&a).unwrap();
+    let held = s.importer.import(s.exporter.export(&a).unwrap()).unwrap();
+    let rounds = 3000;
+    let freer = {
+        let s = Arc::clone(&s);
+        std::thread::spawn(move || {
+            let mut a = a;
+            for _ in 0..rounds * 4 {
+                a = match s.exporter.free_async(a, s.stream) {
+                    Err(f) => f.allocation,
+                    Ok(()) => panic!("freed while imported"),
+                };
+            }
+            a
+        })
+    };
+    let mut closed = 0;
+    for _ in 0..rounds {
+        match s.importer.import(dup(&ea)) {
+            Ok(imp) => s.importer.release_import(imp).unwrap(),
+            Err(PoolError::ExportClosed { .. }) => closed += 1,
+            Err(e) => panic!("{e:?}"),
+        }
+    }
+    let a = freer.join().expect("freer");
+    assert_eq!(closed, 0, "imports told the live allocation was freed");
+    s.importer.release_import(held).unwrap();
+    s.exporter.free_async(a, s.stream).unwrap();
+}
