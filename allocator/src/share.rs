@@ -11,7 +11,7 @@
 //! ## Export and import
 //! A pool created with [`crate::PoolConfig::exportable`] can export a live
 //! allocation ([`MemPool::export`]): a descriptor (plain bytes) plus file
-//! descriptors: first a *lease* (two shared 64-bit words, see below), then
+//! descriptors: first a *lease* (a page of shared 64-bit words, see below), then
 //! one per physical page behind the allocation, in address order. Another
 //! process (or this one) imports it into its own pool ([`MemPool::import`]):
 //! the pages are mapped into a fresh reservation of the importer's device,
@@ -21,10 +21,13 @@
 //! page (allocations of a page or more start on a page boundary).
 //!
 //! The lease orders the hand-over. Word 0 counts live imports and carries a
-//! `CLOSED` bit; word 1 is the *seal*: a hash of the descriptor bytes
-//! (which hold a fresh random tag) and of the identity (device and inode)
-//! of every page's file descriptor, in order. The importer recomputes it
-//! from what it received, so a descriptor that was corrupted, truncated or
+//! `CLOSED` bit; word 1 counts the *seals* that follow. A seal is a hash of
+//! the descriptor bytes (which hold a random tag drawn at the allocation's
+//! first export) and of the identity (device and inode) of every page's
+//! file descriptor, in order. Every export of one allocation shares a lease
+//! and adds its seal there (a new lease only when one is full), so repeated
+//! exports cost no descriptors. The importer recomputes the seal from what
+//! it received and looks for it, so a descriptor that was corrupted, truncated or
 //! combined with another export's (or any other) file descriptors is
 //! refused before anything is mapped. An import adds one unless the lease is closed (then
 //! [`PoolError::ExportClosed`]); a release subtracts one after unmapping.
@@ -64,14 +67,25 @@ const FLAGS: u64 = CLOSED | CLOSING;
 const CLOSING_POLLS: u32 = 100_000;
 const MAGIC: u32 = 0x5450_5831; // "TPX1"
 const DESCRIPTOR_BYTES: usize = 64;
+/// Words of a lease: the count, the number of seals, then the seals.
+const LEASE_WORDS: usize = 512;
+const SEALS_AT: usize = 2;
 
 /// The pool's sharing state: the access list every bind applies, the
 /// leases of exported allocations, and the imports mapped into this pool's
 /// device.
 pub(crate) struct ShareState {
     access: Mutex<Vec<AccessDesc>>,
-    exports: Mutex<HashMap<DevicePtr, Vec<Arc<SharedWords>>>>,
+    exports: Mutex<HashMap<DevicePtr, Exported>>,
     imports: Mutex<HashMap<DevicePtr, ImportRecord>>,
+}
+
+/// The exporter's side of an exported allocation: the tag of its
+/// descriptors and its leases (usually one, shared by every export; a new
+/// one when a lease's seal slots are full).
+struct Exported {
+    tag: u64,
+    leases: Vec<Arc<SharedWords>>,
 }
 
 struct ImportRecord {
@@ -119,7 +133,7 @@ impl ShareState {
     /// the free while an import of it is live.
     pub(crate) fn check_free(&self, ptr: DevicePtr) -> Result<(), PoolError> {
         let mut exports = lock(&self.exports);
-        let Some(leases) = exports.get(&ptr) else {
+        let Some(Exported { leases, .. }) = exports.get(&ptr) else {
             return Ok(());
         };
         // Two phases, so that no lease is ever seen closed unless all close:
@@ -447,9 +461,10 @@ impl<D: Device> MemPool<D> {
 
     /// Export a live allocation to another process (or another pool of
     /// this one): see the [module documentation](crate::share). Needs a
-    /// pool created with [`crate::PoolConfig::exportable`]. Each call makes
-    /// a new lease; the allocation's free is refused while any lease has a
-    /// live import.
+    /// pool created with [`crate::PoolConfig::exportable`]. Every export of
+    /// one allocation shares its lease (one file descriptor kept here per
+    /// exported allocation, until its free); the free is refused while an
+    /// import of any export is live.
     pub fn export(&self, allocation: &Allocation) -> Result<ExportedAllocation, PoolError> {
         let inner = &*self.inner;
         if allocation.pool != inner.id {
@@ -467,9 +482,7 @@ impl<D: Device> MemPool<D> {
                 reason: "a zero-size allocation has no memory to export".into(),
             });
         }
-        let tag = fresh_tag();
-        let lease = SharedWords::create(2)?;
-        let mut fds = vec![lease.share()?];
+        let mut fds = Vec::new();
         let st = lock(&inner.arena);
         let page = st.arena.page;
         let offset = (allocation.ptr - inner.base) as usize;
@@ -489,6 +502,15 @@ impl<D: Device> MemPool<D> {
             fds.push(inner.device.export_fd(st.arena.phys[phys].handle)?);
         }
         drop(st);
+        let (page_fds, identities) = identify(fds)?;
+        // The exports lock is held from here on, so that a free (which
+        // closes the leases under it) cannot slip in between.
+        let mut exports = lock(&inner.share.exports);
+        let entry = exports.entry(allocation.ptr).or_insert_with(|| Exported {
+            tag: fresh_tag(),
+            leases: Vec::new(),
+        });
+        let tag = entry.tag;
         let desc = Descriptor {
             backend: backend_code(inner.device.backend_name()),
             ordinal: inner.device.ordinal(),
@@ -501,15 +523,37 @@ impl<D: Device> MemPool<D> {
             pages: (last - first + 1) as u32,
         };
         let descriptor = desc.bytes();
-        let (page_fds, identities) = identify(fds.split_off(1))?;
+        let sealed = seal(&descriptor, &identities);
+        // Every export of the allocation shares a lease whose seal slots
+        // hold the seals of its exports (on the host backend they are all
+        // the same: the descriptor and the page files do not change), so
+        // exporting again and again costs no descriptor or mapping here.
+        let known = entry.leases.iter().find(|l| has_seal(l, sealed)).cloned();
+        let lease = match known {
+            Some(l) => l,
+            None => {
+                let room = entry.leases.last().filter(|l| {
+                    (l.word(1).load(Ordering::Acquire) as usize) < LEASE_WORDS - SEALS_AT
+                });
+                let lease = match room {
+                    Some(l) => Arc::clone(l),
+                    None => {
+                        let l = Arc::new(SharedWords::create(LEASE_WORDS)?);
+                        entry.leases.push(Arc::clone(&l));
+                        l
+                    }
+                };
+                let n = lease.word(1).load(Ordering::Acquire);
+                lease
+                    .word(SEALS_AT + n as usize)
+                    .store(sealed, Ordering::Release);
+                lease.word(1).store(n + 1, Ordering::Release);
+                lease
+            }
+        };
+        let mut fds = vec![lease.share()?];
+        drop(exports);
         fds.extend(page_fds);
-        lease
-            .word(1)
-            .store(seal(&descriptor, &identities), Ordering::Release);
-        lock(&inner.share.exports)
-            .entry(allocation.ptr)
-            .or_default()
-            .push(Arc::new(lease));
         tracing::debug!(
             pool = inner.id,
             ptr = allocation.ptr,
@@ -524,8 +568,9 @@ impl<D: Device> MemPool<D> {
     pub fn outstanding_imports(&self, allocation: &Allocation) -> u64 {
         lock(&self.inner.share.exports)
             .get(&allocation.ptr)
-            .map_or(0, |ls| {
-                ls.iter()
+            .map_or(0, |e| {
+                e.leases
+                    .iter()
                     .map(|l| l.word(0).load(Ordering::Acquire) & !FLAGS)
                     .sum()
             })
@@ -573,9 +618,9 @@ impl<D: Device> MemPool<D> {
         }
         let mut fds = exported.fds;
         let (page_fds, identities) = identify(fds.split_off(1))?;
-        let lease = SharedWords::open(fds.pop().expect("checked length"), 2)
+        let lease = SharedWords::open(fds.pop().expect("checked length"), LEASE_WORDS)
             .map_err(|e| bad(format!("the lease cannot be opened: {e}")))?;
-        if lease.word(1).load(Ordering::Acquire) != seal(&exported.descriptor, &identities) {
+        if !has_seal(&lease, seal(&exported.descriptor, &identities)) {
             return Err(bad(
                 "the descriptor, its lease and its page file descriptors do not belong together \
                  (corrupted, or mixed with another export's)"
@@ -749,6 +794,12 @@ fn undo_import<D: Device>(
     if let Err(e) = dev.free_va(va, total) {
         tracing::warn!(error = %e, "freeing an import's reservation failed");
     }
+}
+
+/// Whether `sealed` is among the seals of `lease`.
+fn has_seal(lease: &SharedWords, sealed: u64) -> bool {
+    let n = (lease.word(1).load(Ordering::Acquire) as usize).min(LEASE_WORDS - SEALS_AT);
+    (0..n).any(|i| lease.word(SEALS_AT + i).load(Ordering::Acquire) == sealed)
 }
 
 /// A file's identity: (device, inode).

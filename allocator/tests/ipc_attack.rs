@@ -552,9 +552,11 @@ fn importer_killed_while_it_maps() {
     assert_eq!(footprint(&exp_dev), (0, 0, 0), "the exporter let go");
 }
 
-/// A refused free must not close, even for a moment, the lease of another
-/// export of the same allocation: an import racing with it would be told
-/// the exporter freed (`ExportClosed`) although the allocation lives on.
+/// A refused free must not close, even for a moment, a lease of the
+/// allocation: an import racing with it would be told the exporter freed
+/// (`ExportClosed`) although the allocation lives on. (When every export
+/// had a lease of its own, the free closed an idle one before finding the
+/// live one, and reopened it.)
 #[test]
 fn refused_free_never_closes_a_lease_for_a_moment() {
     let s = Arc::new(setup());

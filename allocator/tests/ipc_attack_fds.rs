@@ -1,6 +1,7 @@
 //! No file descriptor and no mapping outlives export, send, receive,
-//! import, release, refused imports and interprocess events. One test in
-//! its own binary, so that nothing else opens descriptors meanwhile.
+//! import, release, refused imports and interprocess events. Tests in
+//! their own binary, run one at a time (a lock), so that nothing else opens
+//! descriptors meanwhile.
 
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
@@ -9,6 +10,15 @@ use tidepool::{ExportedAllocation, MemPool, PoolConfig, PoolError};
 use tidepool_sys::{Device, HostConfig, HostDevice};
 
 const PAGE: usize = 2 << 20;
+
+/// One test at a time: each counts the process's descriptors.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
 
 fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd")
@@ -81,6 +91,7 @@ fn cycle() {
 
 #[test]
 fn nothing_leaks_descriptors_or_mappings() {
+    let _one = serial();
     cycle(); // warm-up: lazily made statics, allocator arenas
     let (fds, maps) = (open_fds(), mappings());
     for _ in 0..5 {
@@ -88,4 +99,49 @@ fn nothing_leaks_descriptors_or_mappings() {
     }
     assert_eq!(open_fds(), fds, "file descriptors leaked");
     assert_eq!(mappings(), maps, "mappings leaked");
+}
+
+/// Exporting one live allocation again and again (say, once per training
+/// step to every rank) must not pile up a descriptor and a mapping per
+/// export in the exporting process until the allocation is freed.
+#[test]
+fn repeated_exports_of_one_allocation_do_not_pile_up() {
+    let _one = serial();
+    let dev = host();
+    let pool = MemPool::new(
+        dev.clone(),
+        PoolConfig::default()
+            .with_va_size(1 << 30)
+            .with_exportable(true),
+    )
+    .unwrap();
+    let imp_dev = host();
+    let importer =
+        MemPool::new(imp_dev.clone(), PoolConfig::default().with_va_size(1 << 30)).unwrap();
+    let s = dev.create_stream().unwrap();
+    let a = pool.alloc_async(2 * PAGE, s).unwrap();
+    // Warm-up: the first export and import make what is made once.
+    let imp = importer.import(pool.export(&a).unwrap()).unwrap();
+    importer.release_import(imp).unwrap();
+    let (fds, maps) = (open_fds(), mappings());
+    for i in 0..2000 {
+        let e = pool.export(&a).unwrap();
+        if i % 100 == 0 {
+            let imp = importer.import(e).unwrap();
+            importer.release_import(imp).unwrap();
+        }
+    }
+    assert!(
+        open_fds() <= fds + 2,
+        "{} descriptors open after 2000 exports, {fds} before",
+        open_fds()
+    );
+    // A little slack for the allocator's own arenas; a mapping per export
+    // would be 2000 more.
+    assert!(
+        mappings() <= maps + 16,
+        "{} mappings after 2000 exports, {maps} before",
+        mappings()
+    );
+    pool.free_async(a, s).unwrap();
 }
