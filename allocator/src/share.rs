@@ -195,6 +195,23 @@ pub(crate) fn initial_access<D: Device>(
     Ok(access)
 }
 
+/// A device that does not exist is [`PoolError::NoPeerAccess`], whatever
+/// the pool holds (asked before any page is looked at).
+fn check_exists<D: Device>(device: &D, peer: i32) -> Result<(), PoolError> {
+    let count = device.device_count().map_err(|e| PoolError::NoPeerAccess {
+        device: peer,
+        reason: e.to_string(),
+    })?;
+    if (0..count).contains(&peer) {
+        Ok(())
+    } else {
+        Err(PoolError::NoPeerAccess {
+            device: peer,
+            reason: format!("device {peer} does not exist (devices 0 to {})", count - 1),
+        })
+    }
+}
+
 fn check_peer<D: Device>(device: &D, peer: i32) -> Result<(), PoolError> {
     match device.can_access_peer(peer) {
         Ok(true) => Ok(()),
@@ -432,9 +449,13 @@ impl<D: Device> MemPool<D> {
     /// driver (`cuMemGetAccess`) on every page the pool has mapped, its
     /// imports' pages included; when the pool has no page mapped, the
     /// access it will give new pages.
-    /// Pages that disagree are [`PoolError::AccessMismatch`] (a bug).
+    /// Pages that disagree are [`PoolError::AccessMismatch`] (a bug); a
+    /// device that does not exist is [`PoolError::NoPeerAccess`].
     pub fn access(&self, device: i32) -> Result<Access, PoolError> {
         let inner = &*self.inner;
+        if device != inner.device.ordinal() {
+            check_exists(&*inner.device, device)?;
+        }
         let st = lock(&inner.arena);
         let expected = if device == inner.device.ordinal() {
             Access::ReadWrite

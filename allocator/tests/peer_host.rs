@@ -407,3 +407,32 @@ fn peer_access_reaches_imports() {
     pool.release_import(after).unwrap();
     exporter.free_async(a, es).unwrap();
 }
+
+/// A device that does not exist is the same typed error whether or not the
+/// pool has pages mapped, for `access` as for `set_access`.
+#[test]
+fn access_of_a_device_that_does_not_exist_is_a_typed_error() {
+    let dev = Arc::new(TwoDevices::new(16 * PAGE));
+    let pool = MemPool::new(dev.clone(), PoolConfig::default().with_va_size(1 << 30)).unwrap();
+    let s = dev.create_stream().unwrap();
+    for bad in [7, -1, i32::MAX, i32::MIN] {
+        for (what, a) in [
+            ("set_access", pool.set_access(bad, Access::ReadWrite).err()),
+            ("access, no page mapped", pool.access(bad).err()),
+        ] {
+            assert!(
+                matches!(a, Some(PoolError::NoPeerAccess { device, .. }) if device == bad),
+                "{what} of device {bad}: {a:?}"
+            );
+        }
+    }
+    let a = pool.alloc_async(2 * PAGE, s).unwrap();
+    for bad in [7, -1] {
+        let r = pool.access(bad);
+        assert!(
+            matches!(r, Err(PoolError::NoPeerAccess { device, .. }) if device == bad),
+            "access of device {bad}, pages mapped: {r:?}"
+        );
+    }
+    pool.free_async(a, s).unwrap();
+}
