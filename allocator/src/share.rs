@@ -88,6 +88,9 @@ struct Exported {
     leases: Vec<Arc<SharedWords>>,
 }
 
+/// The leases a free closed (see [`ShareState::check_free`]).
+pub(crate) struct Closed(Option<(DevicePtr, Exported)>);
+
 struct ImportRecord {
     va: DevicePtr,
     page: usize,
@@ -130,11 +133,12 @@ impl ShareState {
     }
 
     /// The free hook: close the leases of an exported allocation, or refuse
-    /// the free while an import of it is live.
-    pub(crate) fn check_free(&self, ptr: DevicePtr) -> Result<(), PoolError> {
+    /// the free while an import of it is live. Should the free fail after
+    /// all, [`ShareState::reopen`] undoes the close.
+    pub(crate) fn check_free(&self, ptr: DevicePtr) -> Result<Closed, PoolError> {
         let mut exports = lock(&self.exports);
         let Some(Exported { leases, .. }) = exports.get(&ptr) else {
-            return Ok(());
+            return Ok(Closed(None));
         };
         // Two phases, so that no lease is ever seen closed unless all close:
         // mark every idle lease `CLOSING` (imports of it wait), then either
@@ -167,8 +171,18 @@ impl ShareState {
             // CLOSING -> CLOSED: nobody else changes a marked word.
             l.word(0).store(CLOSED, Ordering::Release);
         }
-        exports.remove(&ptr);
-        Ok(())
+        Ok(Closed(exports.remove(&ptr).map(|e| (ptr, e))))
+    }
+
+    /// Undo [`ShareState::check_free`] for a free that failed later: the
+    /// allocation lives on, so its exports import again.
+    pub(crate) fn reopen(&self, closed: Closed) {
+        if let Some((ptr, exported)) = closed.0 {
+            for l in &exported.leases {
+                l.word(0).fetch_and(!CLOSED, Ordering::AcqRel);
+            }
+            lock(&self.exports).insert(ptr, exported);
+        }
     }
 }
 

@@ -592,3 +592,27 @@ fn refused_free_never_closes_a_lease_for_a_moment() {
     s.importer.release_import(held).unwrap();
     s.exporter.free_async(a, s.stream).unwrap();
 }
+
+/// A free that fails for another reason than a live import (here: a
+/// declared use on a stream that was destroyed) must leave the
+/// allocation's exports importable: the allocation lives on.
+#[test]
+fn failed_free_leaves_exports_open() {
+    let s = setup();
+    let mut a = alloc(&s, PAGE);
+    let e = s.exporter.export(&a).unwrap();
+    let gone = s.exp_dev.create_stream().unwrap();
+    s.exporter.record_use(&mut a, gone);
+    s.exp_dev.destroy_stream(gone).unwrap();
+    let a = match s.exporter.free_async(a, s.stream) {
+        Err(f) => f.allocation,
+        Ok(()) => panic!("a free ordered after a destroyed stream succeeded"),
+    };
+    let imp = s
+        .importer
+        .import(e)
+        .expect("the allocation lives: its export must still import");
+    assert_eq!(s.exporter.outstanding_imports(&a), 1);
+    s.importer.release_import(imp).unwrap();
+    std::mem::forget(a);
+}
