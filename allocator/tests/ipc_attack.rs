@@ -616,3 +616,49 @@ fn failed_free_leaves_exports_open() {
     s.importer.release_import(imp).unwrap();
     std::mem::forget(a);
 }
+
+/// An allocation of more pages than one socket message carries
+/// descriptors (250 a chunk) travels, imports and reads back whole.
+#[test]
+fn export_of_many_pages_over_a_socket() {
+    const SMALL: usize = 64 << 10;
+    let dev = |_| {
+        Arc::new(HostDevice::with_config(HostConfig {
+            capacity: 64 << 20,
+            granularity: SMALL,
+        }))
+    };
+    let (exp_dev, imp_dev) = (dev(0), dev(1));
+    let cfg = PoolConfig::default()
+        .with_va_size(1 << 30)
+        .with_page_size(SMALL)
+        .with_exportable(true);
+    let exporter = MemPool::new(exp_dev.clone(), cfg.clone()).unwrap();
+    let importer = MemPool::new(imp_dev.clone(), cfg).unwrap();
+    let s = exp_dev.create_stream().unwrap();
+    let pages = 600;
+    let a = exporter.alloc_async(pages * SMALL, s).unwrap();
+    exp_dev.synchronize_stream(s).unwrap();
+    let marks: Vec<u32> = (0..pages as u32).map(|p| 0xA000_0000 | p).collect();
+    for (p, m) in marks.iter().enumerate() {
+        exp_dev
+            .write_words(a.ptr() + (p * SMALL) as u64, &[*m])
+            .unwrap();
+    }
+    let (tx, rx) = UnixStream::pair().unwrap();
+    let e = exporter.export(&a).unwrap();
+    assert_eq!(e.fds.len(), pages + 1);
+    let sender = std::thread::spawn(move || e.send(&tx).map(|()| tx));
+    let got = ExportedAllocation::recv(&rx).unwrap();
+    let _tx = sender.join().unwrap().unwrap();
+    let imp = importer.import(got).unwrap();
+    assert_eq!(imp.size(), pages * SMALL);
+    for (p, m) in marks.iter().enumerate() {
+        let w = imp_dev
+            .read_words(imp.ptr() + (p * SMALL) as u64, 1)
+            .unwrap();
+        assert_eq!(w, vec![*m], "page {p}");
+    }
+    importer.release_import(imp).unwrap();
+    exporter.free_async(a, s).unwrap();
+}
