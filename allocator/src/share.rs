@@ -113,14 +113,19 @@ impl ShareState {
     }
 
     /// The pool-drop hook: unmap every import still live and give its
-    /// place on the lease back, so its exporter can free.
+    /// place on the lease back, so its exporter can free. The unmap acts at
+    /// once and the pool does not know which streams use an import, so it
+    /// waits for all work of its device first.
     pub(crate) fn release_all_imports<D: Device>(&self, dev: &D) {
         let imports: Vec<ImportRecord> = lock(&self.imports).drain().map(|(_, r)| r).collect();
         if !imports.is_empty() {
             tracing::warn!(
                 count = imports.len(),
-                "pool dropped with live imports; releasing them"
+                "pool dropped with live imports; releasing them after the device's work"
             );
+            if let Err(e) = dev.synchronize_device() {
+                tracing::warn!(error = %e, "synchronising before releasing imports failed");
+            }
         }
         for rec in imports {
             let n = rec.handles.len();

@@ -662,3 +662,50 @@ fn export_of_many_pages_over_a_socket() {
     importer.release_import(imp).unwrap();
     exporter.free_async(a, s).unwrap();
 }
+
+/// Dropping an importing pool releases its live imports; work already
+/// enqueued on the importer's device that uses them must still find them
+/// mapped (the pool waits for its device first, as it does before taking
+/// its own memory away).
+#[test]
+fn dropping_the_importer_waits_for_work_on_its_imports() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let s = setup();
+    let a = alloc(&s, PAGE);
+    let imp = s.importer.import(s.exporter.export(&a).unwrap()).unwrap();
+    let stream = s.imp_dev.create_stream().unwrap();
+    // Hold the stream a moment, then write through the import.
+    s.imp_dev
+        .launch_host(
+            stream,
+            Box::new(|| std::thread::sleep(std::time::Duration::from_millis(100))),
+        )
+        .unwrap();
+    let wrote = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&wrote);
+    s.imp_dev
+        .launch_on_words(stream, imp.ptr(), 4, move |w| {
+            if let Ok(w) = w {
+                w[0].store(0x5eed, Ordering::Relaxed);
+                flag.store(true, Ordering::Release);
+            }
+        })
+        .unwrap();
+    let _not_released = imp; // the drop of its pool releases it
+    let Setup {
+        exp_dev,
+        imp_dev,
+        exporter,
+        importer,
+        stream: es,
+    } = s;
+    drop(importer);
+    imp_dev.synchronize_stream(stream).unwrap();
+    assert!(
+        wrote.load(Ordering::Acquire),
+        "the enqueued work found the import unmapped"
+    );
+    assert_eq!(exp_dev.read_words(a.ptr(), 1).unwrap(), vec![0x5eed]);
+    assert_eq!(exporter.outstanding_imports(&a), 0, "released by the drop");
+    exporter.free_async(a, es).unwrap();
+}
