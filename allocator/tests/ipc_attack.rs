@@ -484,6 +484,13 @@ fn sent_over_a_socket_with_a_closed_peer_is_an_error() {
         .unwrap();
     drop(tx);
     assert!(ExportedAllocation::recv(&rx).is_err(), "truncated message");
+    // Not a socket at all.
+    let file = regular_file(4096);
+    assert!(e.send(&file).is_err(), "send on a regular file");
+    assert!(
+        ExportedAllocation::recv(&file).is_err(),
+        "recv on a regular file"
+    );
     drop(e);
     s.exporter.free_async(a, s.stream).unwrap();
 }
