@@ -452,10 +452,6 @@ impl<D: Device> MemPool<D> {
             Counters::bump(&inner.counters.zero_frees);
             return Ok(());
         }
-        // Exported: refused while another process maps it (see share.rs).
-        if let Err(e) = inner.share.check_free(allocation.ptr) {
-            return fail(e, allocation);
-        }
         if inner.config.check_capture {
             match inner.device.is_capturing(stream) {
                 Ok(false) => {}
@@ -486,6 +482,12 @@ impl<D: Device> MemPool<D> {
                 return fail(e, allocation);
             }
         }
+        // Exported: refused while another process maps it; the close is
+        // undone if the free fails below (see share.rs).
+        let closed = match inner.share.check_free(allocation.ptr) {
+            Ok(c) => c,
+            Err(e) => return fail(e, allocation),
+        };
         let offset = (allocation.ptr - inner.base) as usize;
         let (len, size) = (allocation.len, allocation.size as u64);
         if let Some(user) = gone_user {
@@ -504,7 +506,10 @@ impl<D: Device> MemPool<D> {
         };
         let spill_epoch = match stashed {
             Ok(spill) => spill,
-            Err(e) => return fail(e, allocation),
+            Err(e) => {
+                inner.share.reopen(closed);
+                return fail(e, allocation);
+            }
         };
         if let Some(epoch) = spill_epoch {
             lock(&inner.arena).arena.give_back(

@@ -11,7 +11,7 @@
 //! ## Export and import
 //! A pool created with [`crate::PoolConfig::exportable`] can export a live
 //! allocation ([`MemPool::export`]): a descriptor (plain bytes) plus file
-//! descriptors: first a *lease* (two shared 64-bit words, see below), then
+//! descriptors: first a *lease* (a page of shared 64-bit words, see below), then
 //! one per physical page behind the allocation, in address order. Another
 //! process (or this one) imports it into its own pool ([`MemPool::import`]):
 //! the pages are mapped into a fresh reservation of the importer's device,
@@ -21,11 +21,19 @@
 //! page (allocations of a page or more start on a page boundary).
 //!
 //! The lease orders the hand-over. Word 0 counts live imports and carries a
-//! `CLOSED` bit; word 1 is a random tag that ties the lease to its
-//! descriptor. An import adds one unless the lease is closed (then
+//! `CLOSED` bit; word 1 counts the *seals* that follow. A seal is a hash of
+//! the descriptor bytes (which hold a random tag drawn at the allocation's
+//! first export) and of the identity (device and inode) of every page's
+//! file descriptor, in order. Every export of one allocation shares a lease
+//! and adds its seal there (a new lease only when one is full), so repeated
+//! exports cost no descriptors. The importer recomputes the seal from what
+//! it received and looks for it, so a descriptor that was corrupted, truncated or
+//! combined with another export's (or any other) file descriptors is
+//! refused before anything is mapped. An import adds one unless the lease is closed (then
 //! [`PoolError::ExportClosed`]); a release subtracts one after unmapping.
 //! The exporter's [`MemPool::free_async`] closes every lease of the
-//! allocation when no import is live, and refuses the free with
+//! allocation when no import is live (marking them `CLOSING` first, so that
+//! a free refused because of one lease never shows another closed), and refuses the free with
 //! [`PoolError::ExportInUse`] (handing the allocation back) while one is.
 //! So the exporter can never reuse, move or release the pages while another
 //! process maps them: a live allocation's pages are never remapped (only
@@ -35,28 +43,53 @@
 //! until the pool is dropped.
 
 use crate::error::PoolError;
+use crate::policy::ArenaState;
 use crate::pool::{Allocation, MemPool};
 use crate::sync::{lock, Arc, Mutex};
 use std::collections::HashMap;
 use std::fmt;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::MetadataExt;
 use std::sync::atomic::Ordering;
 use tidepool_sys::ipc::SharedWords;
 use tidepool_sys::{Access, AccessDesc, Device, DevicePtr, Physical};
 
 /// Bit of a lease's word 0 set once the exporter has freed the allocation.
 const CLOSED: u64 = 1 << 63;
+/// Bit of a lease's word 0 set while the exporter's free decides whether
+/// every lease of the allocation can be closed: an import waits for the
+/// decision rather than take a lease that may close, or report a close
+/// that is taken back.
+const CLOSING: u64 = 1 << 62;
+const FLAGS: u64 = CLOSED | CLOSING;
+/// Polls of a `CLOSING` lease before an import gives up (the exporter
+/// resolves it within a few atomic operations, unless it died meanwhile).
+const CLOSING_POLLS: u32 = 100_000;
 const MAGIC: u32 = 0x5450_5831; // "TPX1"
 const DESCRIPTOR_BYTES: usize = 64;
+/// Words of a lease: the count, the number of seals, then the seals.
+const LEASE_WORDS: usize = 512;
+const SEALS_AT: usize = 2;
 
 /// The pool's sharing state: the access list every bind applies, the
 /// leases of exported allocations, and the imports mapped into this pool's
 /// device.
 pub(crate) struct ShareState {
     access: Mutex<Vec<AccessDesc>>,
-    exports: Mutex<HashMap<DevicePtr, Vec<Arc<SharedWords>>>>,
+    exports: Mutex<HashMap<DevicePtr, Exported>>,
     imports: Mutex<HashMap<DevicePtr, ImportRecord>>,
 }
+
+/// The exporter's side of an exported allocation: the tag of its
+/// descriptors and its leases (usually one, shared by every export; a new
+/// one when a lease's seal slots are full).
+struct Exported {
+    tag: u64,
+    leases: Vec<Arc<SharedWords>>,
+}
+
+/// The leases a free closed (see [`ShareState::check_free`]).
+pub(crate) struct Closed(Option<(DevicePtr, Exported)>);
 
 struct ImportRecord {
     va: DevicePtr,
@@ -80,14 +113,19 @@ impl ShareState {
     }
 
     /// The pool-drop hook: unmap every import still live and give its
-    /// place on the lease back, so its exporter can free.
+    /// place on the lease back, so its exporter can free. The unmap acts at
+    /// once and the pool does not know which streams use an import, so it
+    /// waits for all work of its device first.
     pub(crate) fn release_all_imports<D: Device>(&self, dev: &D) {
         let imports: Vec<ImportRecord> = lock(&self.imports).drain().map(|(_, r)| r).collect();
         if !imports.is_empty() {
             tracing::warn!(
                 count = imports.len(),
-                "pool dropped with live imports; releasing them"
+                "pool dropped with live imports; releasing them after the device's work"
             );
+            if let Err(e) = dev.synchronize_device() {
+                tracing::warn!(error = %e, "synchronising before releasing imports failed");
+            }
         }
         for rec in imports {
             let n = rec.handles.len();
@@ -100,27 +138,31 @@ impl ShareState {
     }
 
     /// The free hook: close the leases of an exported allocation, or refuse
-    /// the free while an import of it is live.
-    pub(crate) fn check_free(&self, ptr: DevicePtr) -> Result<(), PoolError> {
+    /// the free while an import of it is live. Should the free fail after
+    /// all, [`ShareState::reopen`] undoes the close.
+    pub(crate) fn check_free(&self, ptr: DevicePtr) -> Result<Closed, PoolError> {
         let mut exports = lock(&self.exports);
-        let Some(leases) = exports.get(&ptr) else {
-            return Ok(());
+        let Some(Exported { leases, .. }) = exports.get(&ptr) else {
+            return Ok(Closed(None));
         };
-        let mut closed = Vec::new();
+        // Two phases, so that no lease is ever seen closed unless all close:
+        // mark every idle lease `CLOSING` (imports of it wait), then either
+        // close them all or take the marks back.
+        let mut marked = Vec::new();
         for lease in leases {
             let word = lease.word(0);
-            match word.compare_exchange(0, CLOSED, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => closed.push(lease),
+            match word.compare_exchange(0, CLOSING, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => marked.push(lease),
                 Err(v) if v & CLOSED != 0 => {}
                 Err(live) => {
-                    for l in closed {
-                        l.word(0).fetch_and(!CLOSED, Ordering::AcqRel);
+                    for l in marked {
+                        l.word(0).fetch_and(!CLOSING, Ordering::AcqRel);
                     }
                     let imports = leases
                         .iter()
-                        .map(|l| l.word(0).load(Ordering::Acquire) & !CLOSED)
+                        .map(|l| l.word(0).load(Ordering::Acquire) & !FLAGS)
                         .sum::<u64>()
-                        .max(live);
+                        .max(live & !FLAGS);
                     tracing::warn!(
                         ptr,
                         imports,
@@ -130,8 +172,22 @@ impl ShareState {
                 }
             }
         }
-        exports.remove(&ptr);
-        Ok(())
+        for l in marked {
+            // CLOSING -> CLOSED: nobody else changes a marked word.
+            l.word(0).store(CLOSED, Ordering::Release);
+        }
+        Ok(Closed(exports.remove(&ptr).map(|e| (ptr, e))))
+    }
+
+    /// Undo [`ShareState::check_free`] for a free that failed later: the
+    /// allocation lives on, so its exports import again.
+    pub(crate) fn reopen(&self, closed: Closed) {
+        if let Some((ptr, exported)) = closed.0 {
+            for l in &exported.leases {
+                l.word(0).fetch_and(!CLOSED, Ordering::AcqRel);
+            }
+            lock(&self.exports).insert(ptr, exported);
+        }
     }
 }
 
@@ -156,6 +212,23 @@ pub(crate) fn initial_access<D: Device>(
         });
     }
     Ok(access)
+}
+
+/// A device that does not exist is [`PoolError::NoPeerAccess`], whatever
+/// the pool holds (asked before any page is looked at).
+fn check_exists<D: Device>(device: &D, peer: i32) -> Result<(), PoolError> {
+    let count = device.device_count().map_err(|e| PoolError::NoPeerAccess {
+        device: peer,
+        reason: e.to_string(),
+    })?;
+    if (0..count).contains(&peer) {
+        Ok(())
+    } else {
+        Err(PoolError::NoPeerAccess {
+            device: peer,
+            reason: format!("device {peer} does not exist (devices 0 to {})", count - 1),
+        })
+    }
 }
 
 fn check_peer<D: Device>(device: &D, peer: i32) -> Result<(), PoolError> {
@@ -348,30 +421,26 @@ impl<D: Device> MemPool<D> {
         check_peer(&*inner.device, device)?;
         // The arena lock keeps binds out while the list and the pages change
         // together (binds read the list under it).
+        // Imports are held too (an import applies the list under that
+        // lock), so that they follow the list as well.
         let st = lock(&inner.arena);
-        let page = st.arena.page;
-        let ptrs: Vec<DevicePtr> = st
-            .arena
-            .phys
-            .iter()
-            .flat_map(|(_, ph)| ph.mappings.iter())
-            .map(|&p| inner.base + (p * page) as u64)
-            .collect();
+        let imports = lock(&inner.share.imports);
+        let ptrs = mapped_pages(&st, inner.base, &imports);
         let mut list = lock(&inner.share.access);
         let before = list
             .iter()
             .find(|a| a.device == device)
             .map_or(Access::None, |a| a.access);
         let desc = [AccessDesc { device, access }];
-        for (k, &ptr) in ptrs.iter().enumerate() {
-            if let Err(e) = inner.device.set_access(ptr, page, &desc) {
+        for (k, &(ptr, size)) in ptrs.iter().enumerate() {
+            if let Err(e) = inner.device.set_access(ptr, size, &desc) {
                 // Put back what was changed, so that every page agrees again.
                 let undo = [AccessDesc {
                     device,
                     access: before,
                 }];
-                for &q in &ptrs[..k] {
-                    if let Err(e2) = inner.device.set_access(q, page, &undo) {
+                for &(q, qsize) in &ptrs[..k] {
+                    if let Err(e2) = inner.device.set_access(q, qsize, &undo) {
                         tracing::warn!(error = %e2, "restoring peer access failed");
                     }
                 }
@@ -383,6 +452,7 @@ impl<D: Device> MemPool<D> {
             list.push(AccessDesc { device, access });
         }
         drop(list);
+        drop(imports);
         drop(st);
         tracing::debug!(
             pool = inner.id,
@@ -395,13 +465,17 @@ impl<D: Device> MemPool<D> {
     }
 
     /// The access `device` has to the pool's memory, read back from the
-    /// driver (`cuMemGetAccess`) on every page the pool has mapped; when
-    /// the pool has no page mapped, the access it will give new pages.
-    /// Pages that disagree are [`PoolError::AccessMismatch`] (a bug).
+    /// driver (`cuMemGetAccess`) on every page the pool has mapped, its
+    /// imports' pages included; when the pool has no page mapped, the
+    /// access it will give new pages.
+    /// Pages that disagree are [`PoolError::AccessMismatch`] (a bug); a
+    /// device that does not exist is [`PoolError::NoPeerAccess`].
     pub fn access(&self, device: i32) -> Result<Access, PoolError> {
         let inner = &*self.inner;
+        if device != inner.device.ordinal() {
+            check_exists(&*inner.device, device)?;
+        }
         let st = lock(&inner.arena);
-        let page = st.arena.page;
         let expected = if device == inner.device.ordinal() {
             Access::ReadWrite
         } else {
@@ -410,18 +484,16 @@ impl<D: Device> MemPool<D> {
                 .find(|a| a.device == device)
                 .map_or(Access::None, |a| a.access)
         };
-        for (_, ph) in st.arena.phys.iter() {
-            for &p in &ph.mappings {
-                let ptr = inner.base + (p * page) as u64;
-                let found = inner.device.get_access(ptr, device)?;
-                if found != expected {
-                    return Err(PoolError::AccessMismatch {
-                        device,
-                        ptr,
-                        expected,
-                        found,
-                    });
-                }
+        let imports = lock(&inner.share.imports);
+        for (ptr, _) in mapped_pages(&st, inner.base, &imports) {
+            let found = inner.device.get_access(ptr, device)?;
+            if found != expected {
+                return Err(PoolError::AccessMismatch {
+                    device,
+                    ptr,
+                    expected,
+                    found,
+                });
             }
         }
         Ok(expected)
@@ -429,9 +501,10 @@ impl<D: Device> MemPool<D> {
 
     /// Export a live allocation to another process (or another pool of
     /// this one): see the [module documentation](crate::share). Needs a
-    /// pool created with [`crate::PoolConfig::exportable`]. Each call makes
-    /// a new lease; the allocation's free is refused while any lease has a
-    /// live import.
+    /// pool created with [`crate::PoolConfig::exportable`]. Every export of
+    /// one allocation shares its lease (one file descriptor kept here per
+    /// exported allocation, until its free); the free is refused while an
+    /// import of any export is live.
     pub fn export(&self, allocation: &Allocation) -> Result<ExportedAllocation, PoolError> {
         let inner = &*self.inner;
         if allocation.pool != inner.id {
@@ -449,10 +522,7 @@ impl<D: Device> MemPool<D> {
                 reason: "a zero-size allocation has no memory to export".into(),
             });
         }
-        let tag = fresh_tag();
-        let lease = SharedWords::create(2)?;
-        lease.word(1).store(tag, Ordering::Release);
-        let mut fds = vec![lease.share()?];
+        let mut fds = Vec::new();
         let st = lock(&inner.arena);
         let page = st.arena.page;
         let offset = (allocation.ptr - inner.base) as usize;
@@ -472,6 +542,15 @@ impl<D: Device> MemPool<D> {
             fds.push(inner.device.export_fd(st.arena.phys[phys].handle)?);
         }
         drop(st);
+        let (page_fds, identities) = identify(fds)?;
+        // The exports lock is held from here on, so that a free (which
+        // closes the leases under it) cannot slip in between.
+        let mut exports = lock(&inner.share.exports);
+        let entry = exports.entry(allocation.ptr).or_insert_with(|| Exported {
+            tag: fresh_tag(),
+            leases: Vec::new(),
+        });
+        let tag = entry.tag;
         let desc = Descriptor {
             backend: backend_code(inner.device.backend_name()),
             ordinal: inner.device.ordinal(),
@@ -483,20 +562,45 @@ impl<D: Device> MemPool<D> {
             page: page as u64,
             pages: (last - first + 1) as u32,
         };
-        lock(&inner.share.exports)
-            .entry(allocation.ptr)
-            .or_default()
-            .push(Arc::new(lease));
+        let descriptor = desc.bytes();
+        let sealed = seal(&descriptor, &identities);
+        // Every export of the allocation shares a lease whose seal slots
+        // hold the seals of its exports (on the host backend they are all
+        // the same: the descriptor and the page files do not change), so
+        // exporting again and again costs no descriptor or mapping here.
+        let known = entry.leases.iter().find(|l| has_seal(l, sealed)).cloned();
+        let lease = match known {
+            Some(l) => l,
+            None => {
+                let room = entry.leases.last().filter(|l| {
+                    (l.word(1).load(Ordering::Acquire) as usize) < LEASE_WORDS - SEALS_AT
+                });
+                let lease = match room {
+                    Some(l) => Arc::clone(l),
+                    None => {
+                        let l = Arc::new(SharedWords::create(LEASE_WORDS)?);
+                        entry.leases.push(Arc::clone(&l));
+                        l
+                    }
+                };
+                let n = lease.word(1).load(Ordering::Acquire);
+                lease
+                    .word(SEALS_AT + n as usize)
+                    .store(sealed, Ordering::Release);
+                lease.word(1).store(n + 1, Ordering::Release);
+                lease
+            }
+        };
+        let mut fds = vec![lease.share()?];
+        drop(exports);
+        fds.extend(page_fds);
         tracing::debug!(
             pool = inner.id,
             ptr = allocation.ptr,
             pages = desc.pages,
             "exported"
         );
-        Ok(ExportedAllocation {
-            descriptor: desc.bytes(),
-            fds,
-        })
+        Ok(ExportedAllocation { descriptor, fds })
     }
 
     /// Live imports of `allocation` (over all its exports), as the leases
@@ -504,9 +608,10 @@ impl<D: Device> MemPool<D> {
     pub fn outstanding_imports(&self, allocation: &Allocation) -> u64 {
         lock(&self.inner.share.exports)
             .get(&allocation.ptr)
-            .map_or(0, |ls| {
-                ls.iter()
-                    .map(|l| l.word(0).load(Ordering::Acquire) & !CLOSED)
+            .map_or(0, |e| {
+                e.leases
+                    .iter()
+                    .map(|l| l.word(0).load(Ordering::Acquire) & !FLAGS)
                     .sum()
             })
     }
@@ -516,7 +621,11 @@ impl<D: Device> MemPool<D> {
     /// applied. Fails with [`PoolError::ExportClosed`] when the exporter
     /// has already freed the allocation, [`PoolError::BadDescriptor`] when
     /// the descriptor or its file descriptors do not fit together or come
-    /// from another backend. On failure nothing stays mapped or reserved.
+    /// from another backend, or were corrupted or mixed up on the way (the
+    /// lease's seal covers the descriptor and the page file descriptors).
+    /// On failure nothing stays mapped or reserved. The import is the
+    /// exporter's memory: it counts neither in this pool's statistics nor
+    /// against its `max_size`.
     pub fn import(&self, exported: ExportedAllocation) -> Result<ImportedAllocation, PoolError> {
         let inner = &*self.inner;
         let dev = &*inner.device;
@@ -536,26 +645,45 @@ impl<D: Device> MemPool<D> {
                 exported.fds.len()
             )));
         }
-        if page == 0 || page % dev.granularity() != 0 || d.offset + d.size > (page * pages) as u64 {
+        let extent = page.checked_mul(pages).map(|b| b as u64);
+        let end = d.offset.checked_add(d.size);
+        if page == 0
+            || page % dev.granularity() != 0
+            || !matches!((end, extent), (Some(end), Some(extent)) if end <= extent && d.offset < d.page)
+        {
             return Err(bad(format!(
                 "page size {page} or extent is not usable with granularity {}",
                 dev.granularity()
             )));
         }
-        let mut fds = exported.fds.into_iter();
-        let lease = SharedWords::open(fds.next().expect("checked length"), 2)
+        let mut fds = exported.fds;
+        let (page_fds, identities) = identify(fds.split_off(1))?;
+        let lease = SharedWords::open(fds.pop().expect("checked length"), LEASE_WORDS)
             .map_err(|e| bad(format!("the lease cannot be opened: {e}")))?;
-        if lease.word(1).load(Ordering::Acquire) != d.tag {
+        if !has_seal(&lease, seal(&exported.descriptor, &identities)) {
             return Err(bad(
-                "the lease belongs to another export (descriptor and file descriptors mixed up)"
+                "the descriptor, its lease and its page file descriptors do not belong together \
+                 (corrupted, or mixed with another export's)"
                     .into(),
             ));
         }
         // Take a place on the lease, unless the exporter has freed.
         let word = lease.word(0);
         let mut cur = word.load(Ordering::Acquire);
+        let mut polls = 0u32;
         loop {
-            if cur & CLOSED != 0 {
+            if cur & CLOSING != 0 && polls < CLOSING_POLLS {
+                // The exporter's free is deciding: wait for it.
+                polls += 1;
+                if polls < 64 {
+                    std::thread::yield_now();
+                } else {
+                    std::thread::sleep(std::time::Duration::from_micros(10));
+                }
+                cur = word.load(Ordering::Acquire);
+                continue;
+            }
+            if cur & FLAGS != 0 {
                 return Err(PoolError::ExportClosed {
                     exporter_pid: d.pid,
                     pool: d.pool,
@@ -567,10 +695,24 @@ impl<D: Device> MemPool<D> {
             }
         }
         let lease = Arc::new(lease);
-        match self.map_import(fds.collect(), page) {
-            Ok((va, handles)) => {
+        let mapped = self.map_import(page_fds, page).and_then(|(va, handles)| {
+            // The access list is read and applied under the imports lock,
+            // which `set_access` also holds while it changes the list and
+            // the live imports: an import made meanwhile gets the new list.
+            let imports = lock(&inner.share.imports);
+            match dev.set_access(va, page * pages, &inner.share.access_list()) {
+                Ok(()) => Ok((va, handles, imports)),
+                Err(e) => {
+                    drop(imports);
+                    undo_import(dev, va, page, pages, &handles, page * pages);
+                    Err(e.into())
+                }
+            }
+        });
+        match mapped {
+            Ok((va, handles, mut imports)) => {
                 let ptr = va + d.offset;
-                lock(&inner.share.imports).insert(
+                imports.insert(
                     ptr,
                     ImportRecord {
                         va,
@@ -604,7 +746,7 @@ impl<D: Device> MemPool<D> {
         let va = dev.reserve_va(total, page)?;
         let mut handles = Vec::with_capacity(fds.len());
         let mut mapped = 0usize;
-        let result = (|| {
+        let result = (|| -> Result<(), tidepool_sys::SysError> {
             for fd in fds {
                 handles.push(dev.import_fd(fd, page)?);
             }
@@ -612,15 +754,12 @@ impl<D: Device> MemPool<D> {
                 dev.map(va + (i * page) as u64, page, h, 0)?;
                 mapped += 1;
             }
-            dev.set_access(va, total, &self.inner.share.access_list())
+            Ok(())
         })();
         match result {
             Ok(()) => Ok((va, handles)),
             Err(e) => {
-                unmap_release(dev, va, page, mapped, &handles);
-                if let Err(e2) = dev.free_va(va, total) {
-                    tracing::warn!(error = %e2, "freeing an import's reservation failed");
-                }
+                undo_import(dev, va, page, mapped, &handles, total);
                 Err(e.into())
             }
         }
@@ -659,6 +798,91 @@ impl<D: Device> MemPool<D> {
     pub fn live_imports(&self) -> usize {
         lock(&self.inner.share.imports).len()
     }
+}
+
+/// Every page the pool maps, as (address, bytes): its own mappings (active
+/// and ghost), then every page of its imports.
+fn mapped_pages(
+    st: &ArenaState,
+    base: DevicePtr,
+    imports: &HashMap<DevicePtr, ImportRecord>,
+) -> Vec<(DevicePtr, usize)> {
+    let page = st.arena.page;
+    let own = st
+        .arena
+        .phys
+        .iter()
+        .flat_map(|(_, ph)| ph.mappings.iter())
+        .map(|&p| (base + (p * page) as u64, page));
+    let imported = imports
+        .values()
+        .flat_map(|r| (0..r.handles.len()).map(move |i| (r.va + (i * r.page) as u64, r.page)));
+    own.chain(imported).collect()
+}
+
+/// Unmap the first `mapped` pages of an import, release its handles and
+/// its reservation (`total` bytes).
+fn undo_import<D: Device>(
+    dev: &D,
+    va: DevicePtr,
+    page: usize,
+    mapped: usize,
+    handles: &[Physical],
+    total: usize,
+) {
+    unmap_release(dev, va, page, mapped, handles);
+    if let Err(e) = dev.free_va(va, total) {
+        tracing::warn!(error = %e, "freeing an import's reservation failed");
+    }
+}
+
+/// Whether `sealed` is among the seals of `lease`.
+fn has_seal(lease: &SharedWords, sealed: u64) -> bool {
+    let n = (lease.word(1).load(Ordering::Acquire) as usize).min(LEASE_WORDS - SEALS_AT);
+    (0..n).any(|i| lease.word(SEALS_AT + i).load(Ordering::Acquire) == sealed)
+}
+
+/// A file's identity: (device, inode).
+type FileId = (u64, u64);
+
+/// The identity (device, inode) of each file descriptor, which every
+/// process holding the same file sees alike. Gives the descriptors back.
+fn identify(fds: Vec<OwnedFd>) -> Result<(Vec<OwnedFd>, Vec<FileId>), PoolError> {
+    let mut out = Vec::with_capacity(fds.len());
+    let mut ids = Vec::with_capacity(fds.len());
+    for fd in fds {
+        let file = std::fs::File::from(fd);
+        let meta = file.metadata().map_err(|e| PoolError::BadDescriptor {
+            reason: format!("a page's file descriptor cannot be examined: {e}"),
+        })?;
+        ids.push((meta.dev(), meta.ino()));
+        out.push(OwnedFd::from(file));
+    }
+    Ok((out, ids))
+}
+
+/// The lease's seal: FNV-1a over the descriptor bytes and the identities
+/// of the page file descriptors, finished with a mixer. Not a defence
+/// against a forger (who holds the file descriptors anyway), but any
+/// corruption or mix-up changes it.
+fn seal(descriptor: &[u8], identities: &[FileId]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |b: u8| {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    };
+    for &b in descriptor {
+        eat(b);
+    }
+    for &(dev, ino) in identities {
+        for b in dev.to_le_bytes().into_iter().chain(ino.to_le_bytes()) {
+            eat(b);
+        }
+    }
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    h ^= h >> 33;
+    h
 }
 
 fn unmap_release<D: Device>(

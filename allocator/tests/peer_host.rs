@@ -354,3 +354,85 @@ fn peer_without_capability_is_a_typed_error() {
     );
     pool.free_async(a, s).unwrap();
 }
+
+/// Imports are pages the pool maps too: the access list reaches those
+/// mapped before and after `set_access`, and `access` reads them back.
+#[test]
+fn peer_access_reaches_imports() {
+    let exp_dev = Arc::new(host(16 * PAGE));
+    let exporter = MemPool::new(
+        exp_dev.clone(),
+        PoolConfig::default()
+            .with_va_size(1 << 30)
+            .with_exportable(true),
+    )
+    .unwrap();
+    let es = exp_dev.create_stream().unwrap();
+    let a = exporter.alloc_async(2 * PAGE, es).unwrap();
+    let dev = Arc::new(TwoDevices::new(16 * PAGE));
+    let pool = MemPool::new(dev.clone(), PoolConfig::default().with_va_size(1 << 30)).unwrap();
+    let before = pool.import(exporter.export(&a).unwrap()).unwrap();
+    assert_eq!(dev.get_access(before.ptr(), 1).unwrap(), Access::None);
+    pool.set_access(1, Access::ReadWrite).unwrap();
+    let after = pool.import(exporter.export(&a).unwrap()).unwrap();
+    for (what, imp) in [("imported before", &before), ("imported after", &after)] {
+        for p in 0..2 {
+            let ptr = imp.ptr() + (p * PAGE) as u64;
+            assert_eq!(
+                dev.get_access(ptr, 1).unwrap(),
+                Access::ReadWrite,
+                "{what}, page {p}"
+            );
+        }
+    }
+    assert_eq!(pool.access(1).unwrap(), Access::ReadWrite);
+    // Revoke: the imports too; and an import that disagrees is seen.
+    pool.set_access(1, Access::None).unwrap();
+    assert_eq!(dev.get_access(after.ptr(), 1).unwrap(), Access::None);
+    assert_eq!(pool.access(1).unwrap(), Access::None);
+    dev.set_access(
+        before.ptr(),
+        PAGE,
+        &[AccessDesc {
+            device: 1,
+            access: Access::Read,
+        }],
+    )
+    .unwrap();
+    assert!(
+        matches!(pool.access(1), Err(PoolError::AccessMismatch { .. })),
+        "an import's page that disagrees"
+    );
+    pool.release_import(before).unwrap();
+    pool.release_import(after).unwrap();
+    exporter.free_async(a, es).unwrap();
+}
+
+/// A device that does not exist is the same typed error whether or not the
+/// pool has pages mapped, for `access` as for `set_access`.
+#[test]
+fn access_of_a_device_that_does_not_exist_is_a_typed_error() {
+    let dev = Arc::new(TwoDevices::new(16 * PAGE));
+    let pool = MemPool::new(dev.clone(), PoolConfig::default().with_va_size(1 << 30)).unwrap();
+    let s = dev.create_stream().unwrap();
+    for bad in [7, -1, i32::MAX, i32::MIN] {
+        for (what, a) in [
+            ("set_access", pool.set_access(bad, Access::ReadWrite).err()),
+            ("access, no page mapped", pool.access(bad).err()),
+        ] {
+            assert!(
+                matches!(a, Some(PoolError::NoPeerAccess { device, .. }) if device == bad),
+                "{what} of device {bad}: {a:?}"
+            );
+        }
+    }
+    let a = pool.alloc_async(2 * PAGE, s).unwrap();
+    for bad in [7, -1] {
+        let r = pool.access(bad);
+        assert!(
+            matches!(r, Err(PoolError::NoPeerAccess { device, .. }) if device == bad),
+            "access of device {bad}, pages mapped: {r:?}"
+        );
+    }
+    pool.free_async(a, s).unwrap();
+}

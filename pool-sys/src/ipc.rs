@@ -37,6 +37,9 @@ pub const MAX_FDS: usize = 1 << 16;
 const MAGIC: u32 = 0x5450_4d31; // "TPM1"
 const HEADER: usize = 16;
 const FILLER: u8 = 0xfd;
+/// Seals a shared-words file must carry: its size cannot change.
+const REQUIRED_SEALS: rustix::fs::SealFlags =
+    rustix::fs::SealFlags::SHRINK.union(rustix::fs::SealFlags::GROW);
 
 fn os(e: Errno, what: &str) -> SysError {
     SysError::Os {
@@ -177,7 +180,10 @@ fn recv_exact(sock: BorrowedFd<'_>, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> S
 
 /// A few 64-bit words of memory shared between processes: a memfd mapped
 /// read-write in each process that holds it. Every access is atomic, so the
-/// words may serve as counters and flags across processes.
+/// words may serve as counters and flags across processes. The memfd is
+/// sealed against shrinking and growing, and [`SharedWords::open`] accepts
+/// nothing else: a file that its sender could shrink under the mapping
+/// would make the next access fail with SIGBUS.
 pub struct SharedWords {
     fd: OwnedFd,
     ptr: NonNull<AtomicU64>,
@@ -205,16 +211,34 @@ impl SharedWords {
         if words == 0 {
             return Err(invalid(Op::Ipc, "zero shared words"));
         }
-        let fd = rustix::fs::memfd_create("tidepool-shared", rustix::fs::MemfdFlags::CLOEXEC)
-            .map_err(|e| os(e, "memfd_create"))?;
+        let fd = rustix::fs::memfd_create(
+            "tidepool-shared",
+            rustix::fs::MemfdFlags::CLOEXEC | rustix::fs::MemfdFlags::ALLOW_SEALING,
+        )
+        .map_err(|e| os(e, "memfd_create"))?;
         let bytes = (words * 8).next_multiple_of(rustix::param::page_size());
         rustix::fs::ftruncate(&fd, bytes as u64).map_err(|e| os(e, "ftruncate"))?;
+        rustix::fs::fcntl_add_seals(&fd, REQUIRED_SEALS | rustix::fs::SealFlags::SEAL)
+            .map_err(|e| os(e, "sealing the shared words"))?;
         Self::map(fd, words, bytes)
     }
 
     /// Open words another process created (its [`SharedWords::share`]);
-    /// the file must hold at least `words` words.
+    /// the file must hold at least `words` words and be sealed against
+    /// changes of size (any other descriptor is refused).
     pub fn open(fd: OwnedFd, words: usize) -> SysResult<SharedWords> {
+        let seals = rustix::fs::fcntl_get_seals(&fd).map_err(|e| {
+            invalid(
+                Op::Ipc,
+                format!("not shared words made by SharedWords::create (no seals: {e})"),
+            )
+        })?;
+        if !seals.contains(REQUIRED_SEALS) {
+            return Err(invalid(
+                Op::Ipc,
+                "not shared words made by SharedWords::create (its size is not sealed)",
+            ));
+        }
         let st = rustix::fs::fstat(&fd).map_err(|e| os(e, "fstat"))?;
         let bytes = usize::try_from(st.st_size).unwrap_or(0);
         if words == 0 || bytes < words * 8 || bytes % rustix::param::page_size() != 0 {
@@ -229,8 +253,9 @@ impl SharedWords {
     fn map(fd: OwnedFd, words: usize, bytes: usize) -> SysResult<SharedWords> {
         // SAFETY: a fresh shared mapping of the whole file (whose size is
         // `bytes`, a multiple of the page size) at an address the kernel
-        // picks: it replaces nothing and cannot SIGBUS while the file keeps
-        // its size (nobody shrinks it: it is only ever created here).
+        // picks: it replaces nothing, and it cannot SIGBUS because the file
+        // keeps its size (sealed against shrinking: made so by `create`,
+        // checked by `open`).
         let p = unsafe {
             rustix::mm::mmap(
                 std::ptr::null_mut(),
