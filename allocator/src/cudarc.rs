@@ -79,14 +79,24 @@ pub enum CudarcError {
     /// The stream belongs to a context that is not the device's primary
     /// context (`CudaContext::new_non_primary`, `from_raw_context`, green
     /// contexts). The pool's memory is mapped in the primary context.
-    NonPrimaryContext { ordinal: usize },
+    NonPrimaryContext {
+        /// The ordinal of the stream's device.
+        ordinal: usize,
+    },
     /// The pool drives another device than the stream's context.
     WrongDevice {
+        /// The device the pool allocates on.
         pool_ordinal: i32,
+        /// The device of the stream's context.
         stream_ordinal: usize,
     },
     /// `len` elements of the type do not fit in the address space.
-    SizeOverflow { len: usize, elem_size: usize },
+    SizeOverflow {
+        /// Elements asked for.
+        len: usize,
+        /// Bytes per element.
+        elem_size: usize,
+    },
     /// The pool refused (out of memory, a capturing stream, ...).
     Pool(PoolError),
     /// Opening the device or registering a stream with it failed.

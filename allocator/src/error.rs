@@ -34,45 +34,111 @@ pub enum PoolError {
     Device(SysError),
     /// The stream is being captured into a CUDA graph; allocating on it is
     /// not supported yet.
-    StreamCapturing { stream: Stream },
+    StreamCapturing {
+        /// The capturing stream.
+        stream: Stream,
+    },
     /// The stream was retired from this pool.
-    StreamRetired { stream: Stream },
+    StreamRetired {
+        /// The retired stream.
+        stream: Stream,
+    },
     /// The allocation belongs to another pool.
-    WrongPool { ptr: DevicePtr },
+    WrongPool {
+        /// The allocation's address.
+        ptr: DevicePtr,
+    },
     /// Raw-pointer API: this address was freed and has not been handed out since.
-    DoubleFree { ptr: DevicePtr },
+    DoubleFree {
+        /// The address freed twice.
+        ptr: DevicePtr,
+    },
     /// Raw-pointer API: the address lies inside a live allocation but is not its start.
-    InteriorPointer { ptr: DevicePtr, base: DevicePtr },
+    InteriorPointer {
+        /// The address passed in.
+        ptr: DevicePtr,
+        /// The start of the live allocation that contains it: free this one.
+        base: DevicePtr,
+    },
     /// Raw-pointer API: the pool never handed out this address.
-    UnknownPointer { ptr: DevicePtr },
+    UnknownPointer {
+        /// The address passed in.
+        ptr: DevicePtr,
+    },
     /// Raw-pointer API: the address belongs to another tidepool pool.
-    ForeignPointer { ptr: DevicePtr, owner_pool: u64 },
+    ForeignPointer {
+        /// The address passed in.
+        ptr: DevicePtr,
+        /// Id of the pool that owns it ([`crate::MemPool::id`]).
+        owner_pool: u64,
+    },
     /// The request is larger than the pool's address space could ever hold.
-    TooLarge { requested: usize, limit: usize },
+    TooLarge {
+        /// Bytes asked for.
+        requested: usize,
+        /// The largest request the pool's address space allows.
+        limit: usize,
+    },
     /// A configuration value is unusable.
-    InvalidConfig { reason: String },
+    InvalidConfig {
+        /// Which value is wrong and what would be accepted.
+        reason: String,
+    },
     /// A device that does not exist, or cannot access the pool's device,
     /// was named for peer access.
-    NoPeerAccess { device: i32, reason: String },
+    NoPeerAccess {
+        /// The ordinal that was named.
+        device: i32,
+        /// Why access cannot be given.
+        reason: String,
+    },
     /// The access asked for cannot be set.
-    InvalidAccess { device: i32, reason: String },
+    InvalidAccess {
+        /// The ordinal that was named.
+        device: i32,
+        /// Why this access cannot be set.
+        reason: String,
+    },
     /// Pages of the pool disagree on a device's access (a bug: report it).
     AccessMismatch {
+        /// The device whose access disagrees.
         device: i32,
+        /// The address of the page that disagrees.
         ptr: DevicePtr,
+        /// The access the pool set.
         expected: tidepool_sys::Access,
+        /// The access the page has.
         found: tidepool_sys::Access,
     },
     /// The allocation cannot be exported.
-    NotExportable { reason: String },
+    NotExportable {
+        /// Why (e.g. the pool was not made exportable).
+        reason: String,
+    },
     /// Free refused: another process still maps the exported allocation.
-    ExportInUse { ptr: DevicePtr, imports: u64 },
+    ExportInUse {
+        /// The exported allocation's address.
+        ptr: DevicePtr,
+        /// Imports still open in other processes.
+        imports: u64,
+    },
     /// Import refused: the exporter already freed the allocation.
-    ExportClosed { exporter_pid: u32, pool: u64 },
+    ExportClosed {
+        /// Process id of the exporting process.
+        exporter_pid: u32,
+        /// Id of the exporting pool.
+        pool: u64,
+    },
     /// The export descriptor and file descriptors do not make one export.
-    BadDescriptor { reason: String },
+    BadDescriptor {
+        /// What does not fit.
+        reason: String,
+    },
     /// No live import of this pool starts at this address.
-    NotImported { ptr: DevicePtr },
+    NotImported {
+        /// The address passed in.
+        ptr: DevicePtr,
+    },
 }
 
 impl PoolError {

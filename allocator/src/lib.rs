@@ -59,6 +59,8 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+#![deny(missing_docs)]
+
 mod arena;
 mod config;
 #[cfg(all(feature = "cudarc", not(loom)))]

@@ -66,7 +66,9 @@ impl fmt::Debug for Allocation {
 /// so nothing is lost and the free can be retried.
 #[derive(Debug)]
 pub struct FreeError {
+    /// Why the free was refused.
     pub error: PoolError,
+    /// The allocation, still live and owned by the caller.
     pub allocation: Allocation,
 }
 

@@ -55,29 +55,38 @@ handle!(
 /// [`crate::ipc::send_message`].
 #[derive(Debug)]
 pub struct IpcEventHandle {
+    /// The backend's opaque handle bytes.
     pub bytes: Vec<u8>,
+    /// The host backend's shared-counter file (`None` on CUDA).
     pub fd: Option<OwnedFd>,
 }
 
 /// Free and total device memory, in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemInfo {
+    /// Bytes not yet taken by anyone on the device.
     pub free: usize,
+    /// The device's memory size.
     pub total: usize,
 }
 
 /// What a device may do with a mapped range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Access {
+    /// No access: touching the range faults.
     None,
+    /// Loads only.
     Read,
+    /// Loads and stores.
     ReadWrite,
 }
 
 /// One entry of a `set_access` call: which device gets which access.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct AccessDesc {
+    /// The ordinal of the device that gets the access.
     pub device: i32,
+    /// The access it gets.
     pub access: Access,
 }
 
@@ -168,6 +177,7 @@ pub trait Device: Send + Sync + 'static {
     }
 
     // --- events ---
+    /// Create an event (never recorded yet) for ordering work across streams.
     fn create_event(&self) -> SysResult<Event>;
     /// Record the event at the current end of the stream's work.
     fn record_event(&self, event: Event, stream: Stream) -> SysResult<()>;
@@ -175,6 +185,7 @@ pub trait Device: Send + Sync + 'static {
     fn query_event(&self, event: Event) -> SysResult<bool>;
     /// Block until the work before the last record is done.
     fn synchronize_event(&self, event: Event) -> SysResult<()>;
+    /// Destroy an event; its id names nothing afterwards.
     fn destroy_event(&self, event: Event) -> SysResult<()>;
     /// Make later work on `stream` wait for `event` (no-op if never recorded).
     fn wait_event(&self, stream: Stream, event: Event) -> SysResult<()>;

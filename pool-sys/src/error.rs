@@ -8,35 +8,67 @@ use std::fmt;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Op {
+    /// Loading the driver and opening the device.
     Init,
+    /// Asking for the mapping granularity.
     Granularity,
+    /// [`Device::reserve_va`](crate::Device::reserve_va).
     ReserveVa,
+    /// [`Device::free_va`](crate::Device::free_va).
     FreeVa,
+    /// [`Device::create_physical`](crate::Device::create_physical).
     CreatePhysical,
+    /// [`Device::release_physical`](crate::Device::release_physical).
     ReleasePhysical,
+    /// [`Device::map`](crate::Device::map).
     Map,
+    /// [`Device::unmap`](crate::Device::unmap).
     Unmap,
+    /// [`Device::set_access`](crate::Device::set_access).
     SetAccess,
+    /// [`Device::export_fd`](crate::Device::export_fd).
     ExportHandle,
+    /// [`Device::import_fd`](crate::Device::import_fd).
     ImportHandle,
+    /// [`Device::mem_info`](crate::Device::mem_info).
     MemInfo,
+    /// [`Device::create_stream`](crate::Device::create_stream).
     CreateStream,
+    /// [`Device::destroy_stream`](crate::Device::destroy_stream).
     DestroyStream,
+    /// [`Device::adopt_stream`](crate::Device::adopt_stream).
     AdoptStream,
+    /// [`Device::synchronize_stream`](crate::Device::synchronize_stream).
     SynchronizeStream,
+    /// [`Device::synchronize_device`](crate::Device::synchronize_device).
     SynchronizeDevice,
+    /// [`Device::query_stream`](crate::Device::query_stream).
     QueryStream,
+    /// [`Device::is_capturing`](crate::Device::is_capturing).
     IsCapturing,
+    /// [`Device::check_stream`](crate::Device::check_stream).
     CheckStream,
+    /// [`Device::create_event`](crate::Device::create_event) (and interprocess events).
     CreateEvent,
+    /// [`Device::record_event`](crate::Device::record_event).
     RecordEvent,
+    /// [`Device::query_event`](crate::Device::query_event).
     QueryEvent,
+    /// [`Device::synchronize_event`](crate::Device::synchronize_event).
     SynchronizeEvent,
+    /// [`Device::destroy_event`](crate::Device::destroy_event).
     DestroyEvent,
+    /// [`Device::wait_event`](crate::Device::wait_event).
     WaitEvent,
+    /// [`Device::launch_host`](crate::Device::launch_host).
     LaunchHost,
+    /// [`Device::get_access`](crate::Device::get_access).
     GetAccess,
+    /// [`Device::device_count`](crate::Device::device_count) and
+    /// [`Device::can_access_peer`](crate::Device::can_access_peer).
     PeerAccess,
+    /// Interprocess events ([`Device::create_ipc_event`](crate::Device::create_ipc_event)
+    /// and the calls on them) and the messages of [`crate::ipc`].
     Ipc,
 }
 
@@ -124,28 +156,78 @@ impl fmt::Display for Op {
 pub enum SysError {
     /// The CUDA driver library could not be loaded (no GPU driver on this
     /// machine); the host backend works without it.
-    DriverUnavailable { reason: String },
+    DriverUnavailable {
+        /// What the loader said.
+        reason: String,
+    },
     /// The CUDA driver returned an error code.
-    Driver { op: Op, code: u32, name: String },
+    Driver {
+        /// The failed operation.
+        op: Op,
+        /// The `CUresult` code.
+        code: u32,
+        /// The code's name (`CUDA_ERROR_...`).
+        name: String,
+    },
     /// An operating-system call failed.
-    Os { op: Op, errno: i32, message: String },
+    Os {
+        /// The failed operation.
+        op: Op,
+        /// The `errno` value.
+        errno: i32,
+        /// The OS's description of it.
+        message: String,
+    },
     /// Not enough device (or host-backend capacity) memory.
     OutOfMemory {
+        /// The failed operation.
         op: Op,
+        /// Bytes asked for.
         requested: usize,
+        /// Bytes the device (or host-backend capacity) had left.
         available: usize,
     },
     /// The arguments break a rule of the API (alignment, range, size).
-    InvalidArgument { op: Op, reason: String },
+    InvalidArgument {
+        /// The failed operation.
+        op: Op,
+        /// Which rule the arguments break.
+        reason: String,
+    },
     /// A handle that was never created, or was already destroyed/released.
-    InvalidHandle { op: Op, what: &'static str, id: u64 },
+    InvalidHandle {
+        /// The failed operation.
+        op: Op,
+        /// The kind of handle ("stream", "event", ...).
+        what: &'static str,
+        /// The handle's id.
+        id: u64,
+    },
     /// A handle issued by another device instance (another `HostDevice`
     /// or `CudaDevice` object): it names nothing on this one.
-    ForeignHandle { op: Op, what: &'static str, id: u64 },
+    ForeignHandle {
+        /// The failed operation.
+        op: Op,
+        /// The kind of handle ("stream", "event", ...).
+        what: &'static str,
+        /// The handle's id.
+        id: u64,
+    },
     /// The backend cannot do this at all.
-    Unsupported { op: Op, reason: String },
+    Unsupported {
+        /// The operation the backend cannot do.
+        op: Op,
+        /// Why, and what to use instead.
+        reason: String,
+    },
     /// A failure made on purpose by [`crate::FaultInjector`].
-    Injected { op: Op, call: u64 },
+    Injected {
+        /// The operation made to fail.
+        op: Op,
+        /// Which call of that operation failed, counted from 1 since the
+        /// injector was made.
+        call: u64,
+    },
 }
 
 impl SysError {

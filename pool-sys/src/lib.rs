@@ -8,6 +8,8 @@
 //!   strict as the driver, used by tests and on machines without a GPU;
 //! - [`FaultInjector`]: wraps any backend and fails a chosen call.
 
+#![deny(missing_docs)]
+
 pub mod cuda;
 pub mod device;
 pub mod error;

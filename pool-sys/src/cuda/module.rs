@@ -91,9 +91,13 @@ impl CudaFunction {
 /// `U32`/`I32` 4 bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KernelArg {
+    /// A device address.
     Ptr(DevicePtr),
+    /// A 64-bit unsigned integer.
     U64(u64),
+    /// A 32-bit unsigned integer.
     U32(u32),
+    /// A 32-bit signed integer.
     I32(i32),
 }
 
