@@ -365,6 +365,32 @@ impl<D: Device> MemPool<D> {
     /// could overlap with later work on `stream`. Out-of-memory is reported
     /// here, never later. Size 0 succeeds with a null pointer, which
     /// [`free_async`](Self::free_async) accepts.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tidepool::{MemPool, PoolConfig};
+    /// use tidepool_sys::{Device, host::{HostConfig, HostDevice}};
+    ///
+    /// let device = Arc::new(HostDevice::with_config(HostConfig { capacity: 64 << 20, ..Default::default() }));
+    /// let page = device.granularity(); // the pool's default page size
+    /// let pool = MemPool::new(
+    ///     device.clone(),
+    ///     PoolConfig::default().with_va_size(1 << 30).with_max_size(2 * page as u64),
+    /// )?;
+    /// let s = device.create_stream()?;
+    /// let x = pool.alloc_async(1000, s)?;
+    /// assert_eq!(x.size(), 1000);
+    /// assert_eq!(pool.stats().reserved_current, page as u64); // grew by one page
+    /// // Out-of-memory is the call's result, with a report of the pool's state.
+    /// let err = pool.alloc_async(2 * page, s).unwrap_err();
+    /// assert!(err.is_out_of_memory());
+    /// // Size 0 is a null allocation.
+    /// let z = pool.alloc_async(0, s)?;
+    /// assert_eq!(z.ptr(), 0);
+    /// pool.free_async(z, s)?;
+    /// pool.free_async(x, s)?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn alloc_async(&self, size: usize, stream: Stream) -> Result<Allocation, PoolError> {
         let inner = &*self.inner;
         if size == 0 {
@@ -443,6 +469,27 @@ impl<D: Device> MemPool<D> {
     /// stream declared with [`record_use`](Self::record_use)). `stream` may
     /// differ from the allocation's stream when the caller ordered it after
     /// every use. On error the allocation comes back in the [`FreeError`].
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tidepool::{MemPool, PoolConfig};
+    /// use tidepool_sys::{Device, host::{HostConfig, HostDevice}};
+    ///
+    /// let device = Arc::new(HostDevice::with_config(HostConfig { capacity: 64 << 20, ..Default::default() }));
+    /// let pool = MemPool::new(device.clone(), PoolConfig::default().with_va_size(1 << 30))?;
+    /// let s = device.create_stream()?;
+    /// let x = pool.alloc_async(4096, s)?;
+    /// let addr = x.ptr();
+    /// pool.free_async(x, s)?;
+    /// assert_eq!(pool.stats().used_current, 0);
+    /// // Work queued later on the same stream runs after the free: the
+    /// // memory is handed out again at once, with no growth and no wait.
+    /// let y = pool.alloc_async(4096, s)?;
+    /// assert_eq!(y.ptr(), addr);
+    /// assert_eq!(pool.stats().growths, 1);
+    /// pool.free_async(y, s)?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn free_async(&self, allocation: Allocation, stream: Stream) -> Result<(), FreeError> {
         let inner = &*self.inner;
         let fail = |error, allocation| Err(FreeError { error, allocation });
@@ -535,6 +582,35 @@ impl<D: Device> MemPool<D> {
     /// Declare that work on `stream` uses the allocation (as PyTorch's
     /// `record_stream`): the free will wait, in stream order, for the work
     /// issued on `stream` up to the free.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tidepool::{MemPool, PoolConfig};
+    /// use tidepool_sys::{Device, host::{HostConfig, HostDevice}};
+    ///
+    /// let device = Arc::new(HostDevice::with_config(HostConfig { capacity: 64 << 20, ..Default::default() }));
+    /// // No per-stream cache, so a completed free is open to every stream.
+    /// let config = PoolConfig::default().with_va_size(1 << 30).with_stream_cache_bytes(0);
+    /// let pool = MemPool::new(device.clone(), config)?;
+    /// let (a, u, c) = (device.create_stream()?, device.create_stream()?, device.create_stream()?);
+    /// let mut x = pool.alloc_async(4096, a)?;
+    /// let addr = x.ptr();
+    /// // Work on `u` reads x and is still running (a host task that waits).
+    /// let (done, wait) = std::sync::mpsc::channel::<()>();
+    /// device.launch_host(u, Box::new(move || { let _ = wait.recv(); }))?;
+    /// pool.record_use(&mut x, u);
+    /// pool.free_async(x, a)?;
+    /// // The free is ordered after u's work: `a` itself now waits for `u`,
+    /// // so whatever `a` runs next (e.g. the next user of x's memory)
+    /// // cannot overwrite what `u` still reads ...
+    /// assert!(!device.query_stream(a)?);
+    /// // ... and another stream does not get the memory either.
+    /// let y = pool.alloc_async(4096, c)?;
+    /// assert_ne!(y.ptr(), addr);
+    /// done.send(())?;
+    /// pool.free_async(y, c)?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn record_use(&self, allocation: &mut Allocation, stream: Stream) {
         if stream != allocation.stream && !allocation.uses.contains(&stream) {
             allocation.uses.push(stream);
@@ -624,6 +700,28 @@ impl<D: Device> MemPool<D> {
     /// Release unused physical memory now until the pool holds at most
     /// `bytes` (or nothing more can be released). Never touches memory of a
     /// live allocation or of a free not known complete. Returns bytes released.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tidepool::{MemPool, PoolConfig};
+    /// use tidepool_sys::{Device, host::{HostConfig, HostDevice}};
+    ///
+    /// let device = Arc::new(HostDevice::with_config(HostConfig { capacity: 64 << 20, ..Default::default() }));
+    /// let page = device.granularity() as u64;
+    /// // The default release threshold keeps freed memory cached.
+    /// let pool = MemPool::new(device.clone(), PoolConfig::default().with_va_size(1 << 30))?;
+    /// let s = device.create_stream()?;
+    /// let (x, y) = (pool.alloc_async(page as usize, s)?, pool.alloc_async(page as usize, s)?);
+    /// pool.free_async(x, s)?;
+    /// pool.synchronize_stream(s)?; // the free is now known complete
+    /// assert_eq!(pool.stats().reserved_current, 2 * page);
+    /// // y is live: only x's page can go back to the device.
+    /// assert_eq!(pool.trim_to(0)?, page);
+    /// assert_eq!(pool.stats().reserved_current, page);
+    /// assert_eq!(device.mem_info()?.free, (64 << 20) - page as usize);
+    /// pool.free_async(y, s)?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn trim_to(&self, bytes: u64) -> Result<u64, PoolError> {
         self.inner.trim_to(bytes)
     }

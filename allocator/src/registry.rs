@@ -95,6 +95,24 @@ mod imp {
     /// The device's default pool (created on first use with the default
     /// configuration and kept for the life of the process), as
     /// `cudaDeviceGetDefaultMemPool` gives.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tidepool::default_pool;
+    /// use tidepool_sys::{Device, host::{HostConfig, HostDevice}};
+    ///
+    /// let device = Arc::new(HostDevice::with_config(HostConfig { capacity: 64 << 20, ..Default::default() }));
+    /// let s = device.create_stream()?;
+    /// let x = default_pool(&device)?.alloc_async(4096, s)?;
+    /// // Every call gives the same pool: it knows the allocation.
+    /// let pool = default_pool(&device)?;
+    /// assert_eq!(pool.stats().used_current, 4096);
+    /// pool.free_async(x, s)?;
+    /// // Another device gets a pool of its own.
+    /// let other = Arc::new(HostDevice::with_config(HostConfig { capacity: 64 << 20, ..Default::default() }));
+    /// assert_ne!(default_pool(&other)?.id(), pool.id());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn default_pool<D: Device>(device: &Arc<D>) -> Result<MemPool<D>, PoolError> {
         type Defaults = Mutex<HashMap<(usize, TypeId), Box<dyn Any + Send + Sync>>>;
         static DEFAULTS: OnceLock<Defaults> = OnceLock::new();

@@ -108,6 +108,53 @@ pub type HostTask = Box<dyn FnOnce() + Send + 'static>;
 /// [`Device::granularity`]; `unmap` covers exactly ranges that were mapped;
 /// a fresh mapping has no access until `set_access`; map, unmap, set-access
 /// and release act immediately, not in stream order.
+///
+/// The life of a piece of memory, on the host backend (the CUDA backend
+/// behaves the same; `write_words`/`read_words` stand in for kernels):
+///
+/// ```
+/// use tidepool_sys::{Access, AccessDesc, Device, HostDevice, PhysicalOptions};
+///
+/// let dev = HostDevice::new();
+/// let g = dev.granularity();
+/// let va = dev.reserve_va(2 * g, g)?;
+/// let mem = dev.create_physical(g, PhysicalOptions::default())?;
+/// // The same physical memory mapped twice: two addresses, one memory.
+/// dev.map(va, g, mem, 0)?;
+/// dev.map(va + g as u64, g, mem, 0)?;
+/// // A fresh mapping has no access until set_access grants it.
+/// assert!(dev.read_words(va, 1).is_err());
+/// let rw = [AccessDesc { device: dev.ordinal(), access: Access::ReadWrite }];
+/// dev.set_access(va, 2 * g, &rw)?;
+/// dev.write_words(va, &[7])?;
+/// assert_eq!(dev.read_words(va + g as u64, 1)?, vec![7]);
+/// // Release drops the handle; the memory lives until the last unmap.
+/// dev.release_physical(mem)?;
+/// assert_eq!(dev.read_words(va, 1)?, vec![7]);
+/// // Unmap exactly what one map call mapped: half a mapping is refused.
+/// assert!(dev.unmap(va, g / 2).is_err());
+/// dev.unmap(va, g)?;
+/// dev.unmap(va + g as u64, g)?;
+/// dev.free_va(va, 2 * g)?;
+/// assert_eq!((dev.live_handles(), dev.live_mappings(), dev.live_reservations()), (0, 0, 0));
+///
+/// // Streams run work in order; an event orders work across streams.
+/// let (a, b) = (dev.create_stream()?, dev.create_stream()?);
+/// let (tx, rx) = std::sync::mpsc::channel();
+/// let tx2 = tx.clone();
+/// dev.launch_host(a, Box::new(move || tx.send("a").unwrap()))?;
+/// let ev = dev.create_event()?;
+/// dev.record_event(ev, a)?;
+/// dev.wait_event(b, ev)?;
+/// dev.launch_host(b, Box::new(move || tx2.send("b").unwrap()))?;
+/// dev.synchronize_stream(b)?;
+/// assert_eq!(rx.try_iter().collect::<Vec<_>>(), ["a", "b"]);
+/// assert!(dev.query_event(ev)?);
+/// dev.destroy_event(ev)?;
+/// dev.destroy_stream(a)?;
+/// dev.destroy_stream(b)?;
+/// # Ok::<(), tidepool_sys::SysError>(())
+/// ```
 pub trait Device: Send + Sync + 'static {
     /// Short backend name ("cuda", "host").
     fn backend_name(&self) -> &'static str;
