@@ -1,6 +1,7 @@
 //! The reuse policy: where an allocation looks for memory, in order.
 //!
-//! This file is the one place that decides. The order (DESIGN §1):
+//! This file is the one place that decides. The order goes from the
+//! cheapest and surest source of memory to the costliest:
 //! 1. the allocating stream's own frees (no event, no query);
 //! 2. frees the stream is already ordered after, through waits made via the
 //!    pool (vector clocks) or a host synchronisation;
