@@ -37,7 +37,11 @@
 //! Each distinct cudarc stream is registered with the pool once, shared by
 //! every [`PoolStream`] and live [`PoolBuffer`] on it, and retired from the
 //! pool when the last of them goes; a driver stream handle that is recycled
-//! after that is a new stream to the pool. Only the device's primary context
+//! after that is a new stream to the pool. cudarc's per-thread default
+//! stream (`per_thread_stream()`) is refused with
+//! [`CudarcError::PerThreadStream`]: its handle names a different stream on
+//! each thread, while a [`PoolStream`] or [`PoolBuffer`] may be used and
+//! dropped on any thread. Only the device's primary context
 //! (what `CudaContext::new` gives) shares memory with the pool's device;
 //! other contexts are refused with [`CudarcError::NonPrimaryContext`].
 //!
@@ -69,7 +73,8 @@ use tidepool_sys::{Device, Stream, SysError};
 /// work with.
 pub use ::cudarc::driver;
 
-/// `CU_STREAM_PER_THREAD` as a handle value: a different stream on each thread.
+/// `CU_STREAM_PER_THREAD` as a handle value: a different stream on each
+/// thread, so never registered (see [`CudarcError::PerThreadStream`]).
 const PER_THREAD_STREAM: usize = 2;
 
 /// Errors of the cudarc adapter.
@@ -80,6 +85,15 @@ pub enum CudarcError {
     /// context (`CudaContext::new_non_primary`, `from_raw_context`, green
     /// contexts). The pool's memory is mapped in the primary context.
     NonPrimaryContext {
+        /// The ordinal of the stream's device.
+        ordinal: usize,
+    },
+    /// The stream is cudarc's per-thread default stream
+    /// (`CudaContext::per_thread_stream`). Its handle is a different stream
+    /// on each thread, but a `PoolStream` and its buffers can move between
+    /// threads: a buffer dropped on another thread would be freed in the
+    /// order of that thread's stream, not of the stream its work ran on.
+    PerThreadStream {
         /// The ordinal of the stream's device.
         ordinal: usize,
     },
@@ -112,6 +126,12 @@ impl fmt::Display for CudarcError {
                 f,
                 "the stream's context on device {ordinal} is not the primary context; create it \
                  with CudaContext::new({ordinal}) to allocate from a tidepool pool"
+            ),
+            CudarcError::PerThreadStream { ordinal } => write!(
+                f,
+                "cudarc's per-thread default stream on device {ordinal} is a different stream on \
+                 each thread and cannot back a PoolStream, which may move between threads; \
+                 use ctx.new_stream() or ctx.default_stream()"
             ),
             CudarcError::WrongDevice {
                 pool_ordinal,
@@ -172,6 +192,7 @@ impl From<CudarcError> for DriverError {
         DriverError(match e {
             CudarcError::Driver(d) => return d,
             CudarcError::NonPrimaryContext { .. } => R::CUDA_ERROR_INVALID_CONTEXT,
+            CudarcError::PerThreadStream { .. } => R::CUDA_ERROR_INVALID_HANDLE,
             CudarcError::WrongDevice { .. } => R::CUDA_ERROR_INVALID_DEVICE,
             CudarcError::SizeOverflow { .. } => R::CUDA_ERROR_INVALID_VALUE,
             CudarcError::Pool(p) if p.is_out_of_memory() => R::CUDA_ERROR_OUT_OF_MEMORY,
@@ -211,10 +232,10 @@ pub fn cuda_device(ctx: &Arc<CudaContext>) -> Result<Arc<CudaDevice>, CudarcErro
     Ok(device)
 }
 
-/// Identity of a stream in the registry: the pool, the raw `CUstream`, and
-/// for the per-thread default stream the thread (it is a different stream
-/// on each thread).
-type StreamKey = (u64, usize, Option<std::thread::ThreadId>);
+/// Identity of a stream in the registry: the pool and the raw `CUstream`
+/// (the per-thread default stream, whose handle means a different stream on
+/// each thread, is never registered).
+type StreamKey = (u64, usize);
 
 fn registry() -> MutexGuard<'static, HashMap<StreamKey, Weak<StreamHandle>>> {
     static REGISTRY: OnceLock<Mutex<HashMap<StreamKey, Weak<StreamHandle>>>> = OnceLock::new();
@@ -284,8 +305,12 @@ impl StreamHandle {
             });
         }
         let raw = stream.cu_stream() as usize;
-        let thread = (raw == PER_THREAD_STREAM).then(|| std::thread::current().id());
-        let key = (pool.id(), raw, thread);
+        if raw == PER_THREAD_STREAM {
+            return Err(CudarcError::PerThreadStream {
+                ordinal: ctx.ordinal(),
+            });
+        }
+        let key = (pool.id(), raw);
         let mut map = registry();
         if let Some(handle) = map.get(&key).and_then(Weak::upgrade) {
             return Ok(handle);
@@ -323,13 +348,13 @@ impl StreamHandle {
         boxed.0.take()
     }
 
-    fn park<T: 'static>(&self, ptr: u64, tracked: bool, slice: CudaSlice<T>) {
+    fn park<T: 'static>(&self, ptr: u64, tracked: bool, slice: ParkedSlice<T>) {
         let entry = Parked {
             ptr,
-            len: slice.len(),
+            len: slice.0.as_ref().map_or(0, |s| s.len()),
             type_id: TypeId::of::<ParkedSlice<T>>(),
             tracked,
-            slice: Box::new(ParkedSlice(Some(slice))),
+            slice: Box::new(slice),
         };
         let evicted = {
             let mut parked = lock(&self.parked);
@@ -673,12 +698,12 @@ impl<T: DeviceRepr + 'static> Clone for PoolBuffer<T> {
 
 impl<T: 'static> Drop for PoolBuffer<T> {
     fn drop(&mut self) {
-        // SAFETY: the slice is taken exactly once, here, and then parked
-        // or leaked, never dropped (which would free pool memory with
-        // cuMemFreeAsync).
-        let mut slice = unsafe { ManuallyDrop::take(&mut self.slice) };
+        // SAFETY: the slice is taken exactly once, here, and goes straight
+        // into a `ParkedSlice`, which parks it or `leak`s it, also when
+        // something below panics: it is never dropped as a `CudaSlice`
+        // (which would free pool memory with cuMemFreeAsync).
+        let mut slice = ParkedSlice(Some(unsafe { ManuallyDrop::take(&mut self.slice) }));
         let Some(mut allocation) = self.allocation.take() else {
-            let _ = slice.leak();
             return;
         };
         // (1) The buffer's stream waits for the read and write events cudarc
@@ -686,8 +711,10 @@ impl<T: 'static> Drop for PoolBuffer<T> {
         // synchronisation), exactly as `CudaSlice`'s own drop does. The
         // returned recorder would record a new write: it is not needed.
         let home = self.home.clone();
-        let (_, record) = slice.device_ptr_mut(&home.stream);
-        std::mem::forget(record);
+        if let Some(s) = slice.0.as_mut() {
+            let (_, record) = s.device_ptr_mut(&home.stream);
+            std::mem::forget(record);
+        }
         // (2) Declared uses: the pool orders the free after them.
         let uses = std::mem::take(&mut *lock(&self.uses));
         for user in &uses {
@@ -706,7 +733,8 @@ impl<T: 'static> Drop for PoolBuffer<T> {
                     size = e.allocation.size(),
                     "tidepool: freeing a PoolBuffer failed; its memory leaks until the pool is dropped"
                 );
-                let _ = slice.leak();
+                // `slice` leaks its `CudaSlice` as it goes out of scope.
+                drop(slice);
             }
         }
         // The use handles go after the free (their stream ids stay valid
