@@ -441,7 +441,7 @@ impl<D: Device> MemPool<D> {
     /// stream declared with [`record_use`](Self::record_use)). `stream` may
     /// differ from the allocation's stream when the caller ordered it after
     /// every use. On error the allocation comes back in the [`FreeError`].
-    pub fn free_async(&self, allocation: Allocation, stream: Stream) -> Result<(), FreeError> {
+    pub fn free_async(&self, mut allocation: Allocation, stream: Stream) -> Result<(), FreeError> {
         let inner = &*self.inner;
         let fail = |error, allocation| Err(FreeError { error, allocation });
         if allocation.pool != inner.id {
@@ -467,7 +467,7 @@ impl<D: Device> MemPool<D> {
         // its queued work still runs, and only a device-wide wait sees it
         // end, as for the frees of such a stream.
         let mut gone_user = None;
-        for &user in &allocation.uses {
+        for user in allocation.uses.clone() {
             if user == stream {
                 continue;
             }
@@ -479,6 +479,12 @@ impl<D: Device> MemPool<D> {
                 .record_event(user)
                 .and_then(|ev| self.wait_event(stream, &ev));
             if let Err(e) = ordered {
+                // Another device's stream can never be ordered before this
+                // free: report it, and hand the allocation back without it
+                // so that it can still be freed.
+                if let PoolError::Device(SysError::ForeignHandle { .. }) = e {
+                    allocation.uses.retain(|&u| u != user);
+                }
                 return fail(e, allocation);
             }
         }
