@@ -86,14 +86,10 @@ fn whole_cap_after_fragmented_frees_of_several_streams() {
                 assert!(st.reserved_current <= cap as u64);
                 assert_eq!(st.used_current, 0);
                 for size in [cap, cap - 1, cap - 4096] {
-                    let a = pool
-                        .alloc_async(size, ss[(size % 3) as usize])
-                        .unwrap_or_else(|e| {
-                            panic!(
-                                "false OOM: {policy:?} page {page} cache {cache} size {size}: {e}"
-                            )
-                        });
-                    pool.free_async(a, ss[(size % 3) as usize]).unwrap();
+                    let a = pool.alloc_async(size, ss[size % 3]).unwrap_or_else(|e| {
+                        panic!("false OOM: {policy:?} page {page} cache {cache} size {size}: {e}")
+                    });
+                    pool.free_async(a, ss[size % 3]).unwrap();
                     pool.synchronize().unwrap();
                 }
                 assert!(pool.stats().reserved_current <= cap as u64);
