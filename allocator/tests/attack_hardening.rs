@@ -408,3 +408,109 @@ fn exact_statistics_and_reserved_within_cap() {
     );
     assert!(st.reserved_current <= cap && st.reserved_high <= cap);
 }
+
+/// Rule: with the query-only reuse off but the host wait on, a free whose
+/// work is already complete serves another stream: the wait would return
+/// at once, so refusing the request is a false out-of-memory.
+#[test]
+fn completed_free_serves_with_host_wait_and_no_opportunistic_reuse() {
+    for cache in [0usize, 256 << 20] {
+        let dev = Arc::new(host());
+        let reuse = ReusePolicy {
+            opportunistic: false,
+            internal_dependencies: false,
+            wait_for_pending_frees: true,
+            ..ReusePolicy::default()
+        };
+        let pool = pool(
+            &dev,
+            config()
+                .with_max_size(4 * MIB as u64)
+                .with_reuse(reuse)
+                .with_stream_cache_bytes(cache)
+                .with_last_resort_wait(Duration::ZERO),
+        );
+        let ss = streams(&*dev, 2);
+        let a = pool.alloc_async(4 * MIB, ss[0]).unwrap();
+        pool.free_async(a, ss[0]).unwrap();
+        // The free's work is done (the device says so, not the pool).
+        dev.synchronize_stream(ss[0]).unwrap();
+        for round in 0..2 {
+            let b = pool
+                .alloc_async(4 * MIB, ss[1])
+                .unwrap_or_else(|e| panic!("cache {cache} round {round}: false OOM: {e}"));
+            pool.free_async(b, ss[1]).unwrap();
+            dev.synchronize_stream(ss[1]).unwrap();
+        }
+        assert_eq!(pool.stats().ooms, 0);
+    }
+}
+
+/// Rule: with an unbounded host wait, a pending free that will complete
+/// serves the request even while other pending frees wait on work the
+/// caller has not released yet (their streams wait on a gate that the
+/// caller opens only after the request returns). The wait must not block
+/// on the frees that cannot complete. The free that can complete is
+/// released by a helper thread once the pool is seen polling (by its
+/// count of event queries), so the request surely reaches the host wait.
+/// The timeout only catches a hang; a correct pool passes at any speed.
+#[test]
+fn unbounded_wait_is_not_stuck_behind_a_free_that_waits_on_the_caller() {
+    use std::sync::mpsc::channel;
+    use tidepool_sys::{FaultInjector, Op};
+    let dev = Arc::new(FaultInjector::new(host()));
+    let reuse = ReusePolicy {
+        internal_dependencies: false,
+        ..ReusePolicy::default()
+    };
+    let pool = pool(
+        &dev,
+        config()
+            .with_max_size(4 * MIB as u64)
+            .with_reuse(reuse)
+            .with_stream_cache_bytes(0)
+            .with_last_resort_wait(Duration::MAX),
+    );
+    let ss = streams(&*dev, 6);
+    let (gate_stream, served, req) = (ss[0], ss[4], ss[5]);
+    let blocks: Vec<_> = (1..=4)
+        .map(|i| pool.alloc_async(MIB, ss[i]).unwrap())
+        .collect();
+    let mut gate = Blocker::on(&*dev, gate_stream);
+    let ev = pool.record_event(gate_stream).unwrap();
+    for &s in &ss[1..=3] {
+        pool.wait_event(s, &ev).unwrap();
+    }
+    let busy = Blocker::on(&*dev, served);
+    for (i, a) in blocks.into_iter().enumerate() {
+        pool.free_async(a, ss[i + 1]).unwrap();
+    }
+    let start = dev.calls(Op::QueryEvent);
+    let watcher = {
+        let dev = dev.clone();
+        std::thread::spawn(move || {
+            let mut busy = busy;
+            while dev.calls(Op::QueryEvent) < start + 64 {
+                std::thread::yield_now();
+            }
+            busy.release();
+        })
+    };
+    let (tx, rx) = channel();
+    let worker = {
+        let pool = pool.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send(pool.alloc_async(MIB, req));
+        })
+    };
+    let got = rx.recv_timeout(Duration::from_secs(120));
+    gate.release();
+    worker.join().unwrap();
+    watcher.join().unwrap();
+    let b = got
+        .expect("the request hung behind frees that wait on the caller")
+        .unwrap();
+    pool.free_async(b, req).unwrap();
+    pool.synchronize().unwrap();
+    assert_eq!(pool.stats().used_current, 0);
+}
