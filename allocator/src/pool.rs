@@ -498,6 +498,7 @@ impl<D: Device> MemPool<D> {
         let (len, size) = (allocation.len, allocation.size as u64);
         if let Some(user) = gone_user {
             if let Err(e) = inner.free_after_gone_user(stream, user, offset, len, size) {
+                inner.share.reopen(closed);
                 return fail(e, allocation);
             }
             return Ok(());

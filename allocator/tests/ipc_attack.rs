@@ -387,10 +387,12 @@ fn export_and_import_leave_pool_accounting_alone() {
     let st1 = capped.stats();
     assert_eq!(st0.reserved_current, st1.reserved_current);
     assert_eq!(st0.used_current, st1.used_current);
-    // The cap still holds for the pool's own memory.
-    let own = capped.alloc_async(PAGE, s.stream).expect("own page");
-    assert!(capped.alloc_async(PAGE, s.stream).is_err(), "cap reached");
-    capped.free_async(own, s.stream).unwrap();
+    // The cap still holds for the pool's own memory (on a stream of the
+    // capped pool's own device: another device's stream is refused).
+    let imp_stream = s.imp_dev.create_stream().expect("importer stream");
+    let own = capped.alloc_async(PAGE, imp_stream).expect("own page");
+    assert!(capped.alloc_async(PAGE, imp_stream).is_err(), "cap reached");
+    capped.free_async(own, imp_stream).unwrap();
     capped.release_import(imp).unwrap();
     s.exporter.free_async(a, s.stream).unwrap();
 }
@@ -600,20 +602,19 @@ fn refused_free_never_closes_a_lease_for_a_moment() {
     s.exporter.free_async(a, s.stream).unwrap();
 }
 
-/// A free that fails for another reason than a live import (here: a
-/// declared use on a stream that was destroyed) must leave the
-/// allocation's exports importable: the allocation lives on.
+/// A free that fails for another reason than a live import (here: a free
+/// on a stream retired from the pool, refused after the lease was closed)
+/// must leave the allocation's exports importable: the allocation lives on.
 #[test]
 fn failed_free_leaves_exports_open() {
     let s = setup();
-    let mut a = alloc(&s, PAGE);
+    let a = alloc(&s, PAGE);
     let e = s.exporter.export(&a).unwrap();
-    let gone = s.exp_dev.create_stream().unwrap();
-    s.exporter.record_use(&mut a, gone);
-    s.exp_dev.destroy_stream(gone).unwrap();
-    let a = match s.exporter.free_async(a, s.stream) {
+    let retired = s.exp_dev.create_stream().unwrap();
+    s.exporter.retire_stream(retired).unwrap();
+    let a = match s.exporter.free_async(a, retired) {
         Err(f) => f.allocation,
-        Ok(()) => panic!("a free ordered after a destroyed stream succeeded"),
+        Ok(()) => panic!("a free on a retired stream succeeded"),
     };
     let imp = s
         .importer
@@ -621,7 +622,7 @@ fn failed_free_leaves_exports_open() {
         .expect("the allocation lives: its export must still import");
     assert_eq!(s.exporter.outstanding_imports(&a), 1);
     s.importer.release_import(imp).unwrap();
-    std::mem::forget(a);
+    s.exporter.free_async(a, s.stream).unwrap();
 }
 
 /// An allocation of more pages than one socket message carries
