@@ -218,6 +218,13 @@ fn tags_show_no_reuse_while_earlier_work_runs() {
                 assert!(w.recv().unwrap());
                 assert!(old_saw.recv().unwrap(), "{policy:?}: new owner wrote first");
                 assert!(w2.recv().unwrap());
+                // The new owner's tag is the last one written.
+                pool.synchronize().unwrap();
+                let seen = dev.read_words(b.ptr(), words).unwrap();
+                assert!(
+                    seen.iter().all(|&x| x == 2),
+                    "{policy:?}: old owner wrote last"
+                );
                 pool.free_async(b, ss[1]).unwrap();
             }
             Err(e) => {
@@ -351,6 +358,12 @@ fn record_use_then_retire_loses_nothing() {
     match pool.alloc_async(2 * MIB, other) {
         Ok(b) => {
             let seen = probe(&*dev, other, flag);
+            // A correct pool cannot run the probe before the release, however
+            // long this wait is; the wait only gives a broken one time to show.
+            assert!(
+                seen.recv_timeout(Duration::from_millis(200)).is_err(),
+                "the new owner's work ran while the user stream was busy"
+            );
             busy.release();
             assert!(
                 seen.recv().unwrap(),
