@@ -366,6 +366,9 @@ impl<D: Device> MemPool<D> {
     pub fn alloc_async(&self, size: usize, stream: Stream) -> Result<Allocation, PoolError> {
         let inner = &*self.inner;
         if size == 0 {
+            // No memory, but the stream is named all the same: refuse a
+            // destroyed stream or another device's as for any size.
+            inner.device.check_stream(stream)?;
             Counters::bump(&inner.counters.zero_allocs);
             return Ok(Allocation {
                 ptr: 0,
@@ -449,6 +452,9 @@ impl<D: Device> MemPool<D> {
             return fail(PoolError::WrongPool { ptr }, allocation);
         }
         if allocation.len == 0 {
+            if let Err(e) = inner.device.check_stream(stream) {
+                return fail(e.into(), allocation);
+            }
             Counters::bump(&inner.counters.zero_frees);
             return Ok(());
         }

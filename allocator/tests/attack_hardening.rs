@@ -527,3 +527,44 @@ fn unbounded_wait_is_not_stuck_behind_a_free_that_waits_on_the_caller() {
     pool.synchronize().unwrap();
     assert_eq!(pool.stats().used_current, 0);
 }
+
+/// Rule: statistics stay exact on the stream-cache fast path.
+#[test]
+fn exact_statistics_on_the_cache_path() {
+    let dev = Arc::new(host());
+    let pool = pool(&dev, config().with_max_size(4 * MIB as u64));
+    let s = dev.create_stream().unwrap();
+    for _ in 0..100 {
+        let a = pool.alloc_async(12_345, s).unwrap();
+        pool.free_async(a, s).unwrap();
+    }
+    let st = pool.stats();
+    assert_eq!((st.allocs, st.frees, st.used_current), (100, 100, 0));
+    assert_eq!(st.used_high, 12_345);
+    assert!(st.cache_hits >= 99, "{st:?}");
+    assert_eq!(st.reserved_current, PAGE as u64);
+}
+
+/// Rule: a size-0 request names a stream too: another device's stream or
+/// a destroyed one is refused as for any other size.
+#[test]
+fn size_zero_on_a_bad_stream() {
+    let dev = Arc::new(host());
+    let other = Arc::new(host());
+    let pool = pool(&dev, config());
+    let f = other.create_stream().unwrap();
+    let d = dev.create_stream().unwrap();
+    dev.destroy_stream(d).unwrap();
+    let s = dev.create_stream().unwrap();
+    for bad in [f, d] {
+        assert!(
+            pool.alloc_async(0, bad).is_err(),
+            "size 0 on {bad} accepted"
+        );
+        let z = pool.alloc_async(0, s).unwrap();
+        let fe = pool.free_async(z, bad).unwrap_err();
+        pool.free_async(fe.allocation, s).unwrap();
+    }
+    let st = pool.stats();
+    assert_eq!((st.allocs, st.frees), (2, 2));
+}
