@@ -124,8 +124,10 @@ impl PoolConfig {
     }
     /// Set the upper bound of the last-resort host wait for pending frees
     /// ([`ReusePolicy::wait_for_pending_frees`]). `Duration::MAX` waits as
-    /// long as it takes (a pending free whose stream waits for work this
-    /// thread has yet to issue then blocks the allocation for good).
+    /// long as it takes: the wait polls every pending free and retries the
+    /// request as soon as one completes, so only a request that nothing but
+    /// a free waiting for work this thread has yet to issue could serve
+    /// blocks for good.
     pub fn with_last_resort_wait(mut self, wait: std::time::Duration) -> Self {
         self.last_resort_wait = wait;
         self

@@ -252,30 +252,40 @@ impl<D: Device> PoolInner<D> {
         // pool tries again whatever the wait saw, since completions may
         // also have been observed meanwhile by this thread or another.
         if reuse.wait_for_pending_frees {
-            self.observe_completions(&mut st);
-            let pending = self.pending_records();
-            drop(st);
-            let done = self.wait_records(&pending);
-            st = lock(&self.arena);
-            for rec in done {
-                let e = st.synced.entry(rec.stream.id()).or_insert(0);
-                *e = (*e).max(rec.epoch);
-            }
-            self.flush_caches(&mut st);
-            self.observe_completions(&mut st);
-            let clock = lock(&entry.state).clock.clone();
-            if let Some(off) = fit(&mut st, len, me, &clock, reuse) {
-                return Ok(off);
-            }
-            match self.map_any(&mut st, len, me, &clock, reuse) {
-                Ok(off) => return Ok(off),
-                Err(MapFailure::DeviceOom(e)) => cause = Some(e),
-                Err(MapFailure::Device(e)) => return Err(e.into()),
-                Err(_) => {}
-            }
-            if reuse.internal_dependencies {
-                if let Some(off) = self.take_with_dependency(&mut st, len, stream, entry)? {
+            // An unrepresentable deadline (Duration::MAX) means no deadline.
+            let deadline = Instant::now().checked_add(self.config.last_resort_wait);
+            loop {
+                self.observe_completions(&mut st);
+                let pending = self.pending_records();
+                drop(st);
+                // Returns as soon as some free completes: the request is
+                // tried again then, rather than after every pending free
+                // (some may wait for work the caller issues only later).
+                let (done, more) = self.wait_records(&pending, deadline);
+                st = lock(&self.arena);
+                for rec in done {
+                    let e = st.synced.entry(rec.stream.id()).or_insert(0);
+                    *e = (*e).max(rec.epoch);
+                }
+                self.flush_caches(&mut st);
+                self.observe_completions(&mut st);
+                let clock = lock(&entry.state).clock.clone();
+                if let Some(off) = fit(&mut st, len, me, &clock, reuse) {
                     return Ok(off);
+                }
+                match self.map_any(&mut st, len, me, &clock, reuse) {
+                    Ok(off) => return Ok(off),
+                    Err(MapFailure::DeviceOom(e)) => cause = Some(e),
+                    Err(MapFailure::Device(e)) => return Err(e.into()),
+                    Err(_) => {}
+                }
+                if reuse.internal_dependencies {
+                    if let Some(off) = self.take_with_dependency(&mut st, len, stream, entry)? {
+                        return Ok(off);
+                    }
+                }
+                if !more {
+                    break;
                 }
             }
         }
@@ -719,27 +729,37 @@ impl<D: Device> PoolInner<D> {
         out
     }
 
-    /// Step 8: wait on the host, at most `last_resort_wait` in all, for the
-    /// work before each record to complete. Called with no lock held.
-    /// Returns the records seen complete.
-    fn wait_records(&self, pending: &[Arc<EventRecord>]) -> Vec<Arc<EventRecord>> {
-        // An unrepresentable deadline (Duration::MAX) means no deadline.
-        let deadline = Instant::now().checked_add(self.config.last_resort_wait);
+    /// Step 8: wait on the host, until `deadline` at most (none: no
+    /// bound), for the work before some of the records to complete, polling
+    /// them all in turn. Called with no lock held. Returns the records seen
+    /// complete (after the first completion, one pass more collects the
+    /// others already done), and whether waiting longer may help (some
+    /// completed, others are still pending, and time is left).
+    fn wait_records(
+        &self,
+        pending: &[Arc<EventRecord>],
+        deadline: Option<Instant>,
+    ) -> (Vec<Arc<EventRecord>>, bool) {
         let mut done = Vec::new();
-        for rec in pending {
-            let mut nap = std::time::Duration::from_micros(20);
-            loop {
+        let mut nap = std::time::Duration::from_micros(20);
+        let mut left: Vec<&Arc<EventRecord>> = pending.iter().collect();
+        while !left.is_empty() {
+            let mut still = Vec::with_capacity(left.len());
+            for rec in left {
                 match self.device.query_event(rec.event) {
-                    Ok(true) => {
-                        done.push(rec.clone());
-                        break;
-                    }
-                    Ok(false) if deadline.is_none_or(|d| Instant::now() < d) => {
-                        std::thread::sleep(nap);
-                        nap = (nap * 2).min(std::time::Duration::from_millis(1));
-                    }
-                    _ => break,
+                    Ok(true) => done.push(rec.clone()),
+                    Ok(false) => still.push(rec),
+                    // A failed query: this record cannot be waited for.
+                    Err(_) => {}
                 }
+            }
+            left = still;
+            if !done.is_empty() || deadline.is_some_and(|d| Instant::now() >= d) {
+                break;
+            }
+            if !left.is_empty() {
+                std::thread::sleep(nap);
+                nap = (nap * 2).min(std::time::Duration::from_millis(1));
             }
         }
         if !done.is_empty() {
@@ -749,7 +769,9 @@ impl<D: Device> PoolInner<D> {
                 "host wait let pending frees complete"
             );
         }
-        done
+        let more =
+            !done.is_empty() && !left.is_empty() && deadline.is_none_or(|d| Instant::now() < d);
+        (done, more)
     }
 
     /// Host-synchronised up to `epoch` on stream `id`.

@@ -394,6 +394,9 @@ impl<D: Device> MemPool<D> {
     pub fn alloc_async(&self, size: usize, stream: Stream) -> Result<Allocation, PoolError> {
         let inner = &*self.inner;
         if size == 0 {
+            // No memory, but the stream is named all the same: refuse a
+            // destroyed stream or another device's as for any size.
+            inner.device.check_stream(stream)?;
             Counters::bump(&inner.counters.zero_allocs);
             return Ok(Allocation {
                 ptr: 0,
@@ -490,7 +493,7 @@ impl<D: Device> MemPool<D> {
     /// pool.free_async(y, s)?;
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn free_async(&self, allocation: Allocation, stream: Stream) -> Result<(), FreeError> {
+    pub fn free_async(&self, mut allocation: Allocation, stream: Stream) -> Result<(), FreeError> {
         let inner = &*self.inner;
         let fail = |error, allocation| Err(FreeError { error, allocation });
         if allocation.pool != inner.id {
@@ -498,6 +501,9 @@ impl<D: Device> MemPool<D> {
             return fail(PoolError::WrongPool { ptr }, allocation);
         }
         if allocation.len == 0 {
+            if let Err(e) = inner.device.check_stream(stream) {
+                return fail(e.into(), allocation);
+            }
             Counters::bump(&inner.counters.zero_frees);
             return Ok(());
         }
@@ -516,7 +522,7 @@ impl<D: Device> MemPool<D> {
         // its queued work still runs, and only a device-wide wait sees it
         // end, as for the frees of such a stream.
         let mut gone_user = None;
-        for &user in &allocation.uses {
+        for user in allocation.uses.clone() {
             if user == stream {
                 continue;
             }
@@ -528,6 +534,12 @@ impl<D: Device> MemPool<D> {
                 .record_event(user)
                 .and_then(|ev| self.wait_event(stream, &ev));
             if let Err(e) = ordered {
+                // Another device's stream can never be ordered before this
+                // free: report it, and hand the allocation back without it
+                // so that it can still be freed.
+                if let PoolError::Device(SysError::ForeignHandle { .. }) = e {
+                    allocation.uses.retain(|&u| u != user);
+                }
                 return fail(e, allocation);
             }
         }
