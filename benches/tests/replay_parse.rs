@@ -259,3 +259,91 @@ fn the_plot_envelope_reaches_the_peaks_the_title_states() {
     assert!(panel.title.contains("peak live 1.0 MiB"), "{}", panel.title);
     assert!(panel.title.contains("ideal 1.0"), "{}", panel.title);
 }
+
+/// A producer (stream 5) hands a block to a consumer (stream 9), which
+/// frees it after waiting; the wait is an operation of its own.
+const HANDOVER: &str =
+    "op,id,size,stream\na,0,4096,5\nw,5,0,9\nf,0,0,9\na,1,64,9\nw,9,0,5\nf,1,0,5\n";
+
+#[test]
+fn waits_parse_into_their_own_op_with_both_streams() {
+    let t = parse(HANDOVER).unwrap();
+    assert_eq!(t.streams, vec![5, 9]);
+    assert_eq!(t.waits, 2);
+    assert_eq!(t.allocs, 2);
+    assert_eq!(t.ops.len(), 6);
+    assert_eq!(t.ops[1], TraceOp::Wait { from: 0, stream: 1 });
+    assert_eq!(t.ops[4], TraceOp::Wait { from: 1, stream: 0 });
+    assert_eq!(t.peak_live_bytes, 4096);
+    // Waits move no bytes.
+    assert_eq!(t.live_after(&[1, 2, 3]), vec![4096, 4096, 0]);
+    // Both frees on another stream are ordered after their allocation.
+    assert!(t.unordered_frees().is_empty());
+    // A wait may name a stream no other line names yet (it is created).
+    let t = parse("a,0,100,0\nw,3,0,0\nf,0,0,0\n").unwrap();
+    assert_eq!(t.streams, vec![0, 3]);
+    // Old files, without waits, parse as before.
+    assert_eq!(parse(SMALL).unwrap().waits, 0);
+}
+
+#[test]
+fn bad_waits_are_errors_naming_the_line() {
+    let (line, msg) = parse_err("a,0,100,0\nw,1,0,1\n");
+    assert_eq!(line, 2);
+    assert!(
+        msg.contains("on itself") && msg.contains("w,1,0,1"),
+        "{msg}"
+    );
+
+    let (line, msg) = parse_err("a,0,100,0\nw,0,8,1\n");
+    assert_eq!(line, 2);
+    assert!(
+        msg.contains("must be 0") && msg.contains("w,0,8,1"),
+        "{msg}"
+    );
+
+    let (line, msg) = parse_err("a,0,100,0\nw,x,0,1\n");
+    assert_eq!(line, 2);
+    assert!(msg.contains("id `x`"), "{msg}");
+
+    let (line, msg) = parse_err("a,0,100,0\nw,0,0\n");
+    assert_eq!(line, 2);
+    assert!(msg.contains("4 fields"), "{msg}");
+
+    let (_, msg) = parse_err("a,0,100,0\nq,0,0,1\n");
+    assert!(msg.contains("`a`, `f` or `w`"), "{msg}");
+}
+
+#[test]
+fn frees_on_another_stream_need_a_wait_after_the_allocation() {
+    // No wait at all.
+    assert_eq!(
+        parse("a,0,100,0\nf,0,0,1\n").unwrap().unordered_frees(),
+        vec![1]
+    );
+    // A wait issued before the allocation does not order the free after it.
+    let t = parse("w,0,0,1\na,0,100,0\nf,0,0,1\n").unwrap();
+    assert_eq!(t.unordered_frees(), vec![2]);
+    // A wait in the other direction neither.
+    let t = parse("a,0,100,0\nw,1,0,0\nf,0,0,1\n").unwrap();
+    assert_eq!(t.unordered_frees(), vec![2]);
+    // Through a chain of waits: 0 -> 2 -> 1.
+    let t = parse("a,0,100,0\nw,0,0,2\nw,2,0,1\nf,0,0,1\n").unwrap();
+    assert!(t.unordered_frees().is_empty());
+    // The chain's second link issued before the first does not count.
+    let t = parse("a,0,100,0\nw,2,0,1\nw,0,0,2\nf,0,0,1\n").unwrap();
+    assert_eq!(t.unordered_frees(), vec![3]);
+    // A free on the allocating stream needs no wait.
+    assert!(parse(SMALL).unwrap().unordered_frees().is_empty());
+}
+
+#[test]
+fn the_replay_loop_issues_waits_in_trace_order() {
+    let t = parse(HANDOVER).unwrap();
+    let mut r = Replayer::new(IdealAllocator::new(u64::MAX, 1), &t);
+    let res = r.pass(PassOptions::default(), |_| {}).unwrap();
+    assert_eq!(res.ops, 6);
+    assert_eq!(r.allocator.waits, vec![(0, 1), (1, 0)]);
+    assert_eq!(r.allocator.calls.0, 2);
+    assert_eq!(r.allocator.calls.1, 2);
+}

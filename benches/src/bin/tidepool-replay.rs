@@ -24,8 +24,10 @@ TRACE FORMAT
   CSV, plain or gzip (detected from the content): an optional header line
   `op,id,size,stream`, then one line per operation: `a,ID,SIZE,STREAM`
   allocates SIZE bytes under ID on STREAM, `f,ID,SIZE,STREAM` frees the
-  allocation live under ID on STREAM. Empty lines and lines starting with
-  `#` are skipped. Full description: benches/traces/README.md.
+  allocation live under ID on STREAM, `w,FROM,0,STREAM` makes STREAM wait
+  for the work issued on stream FROM so far (an event recorded on FROM,
+  through the pool for tidepool). Empty lines and lines starting with `#`
+  are skipped. Full description: benches/traces/README.md.
 
 OUTPUT (one row per trace, allocator and pass)
   trace              the trace's file name without .csv/.gz

@@ -9,7 +9,7 @@ use super::run::{AllocError, ReplayAllocator, ReplayError};
 use std::sync::Arc;
 use tidepool_sys::cuda::baseline::{self, DriverPool};
 use tidepool_sys::cuda::CudaDevice;
-use tidepool_sys::{Device, DevicePtr, Stream, SysError};
+use tidepool_sys::{Device, DevicePtr, Event, Stream, SysError};
 
 pub use super::run::IdealAllocator;
 
@@ -74,15 +74,31 @@ pub struct DriverPoolAlloc {
     // Field order: the pool is destroyed before the streams.
     pool: DriverPool,
     streams: Streams<CudaDevice>,
+    /// The event of the trace's waits, recorded again for each: a
+    /// `cuStreamWaitEvent` waits for the record made before it, so a later
+    /// record does not change what an earlier wait waits for.
+    event: Event,
 }
 
 impl DriverPoolAlloc {
     pub fn new(device: &CudaDevice, trace_streams: usize) -> Result<Self, ReplayError> {
         let pool = DriverPool::new(device, u64::MAX).map_err(sys_err("creating a driver pool"))?;
+        let streams = Streams::new(Arc::new(device.clone()), trace_streams)?;
+        let event = device
+            .create_event()
+            .map_err(sys_err("creating an event"))?;
         Ok(DriverPoolAlloc {
             pool,
-            streams: Streams::new(Arc::new(device.clone()), trace_streams)?,
+            streams,
+            event,
         })
+    }
+}
+
+impl Drop for DriverPoolAlloc {
+    fn drop(&mut self) {
+        let _ = self.streams.synchronize();
+        let _ = self.streams.device.destroy_event(self.event);
     }
 }
 
@@ -105,6 +121,17 @@ impl ReplayAllocator for DriverPoolAlloc {
         self.pool
             .free_async(ptr, self.streams.streams[stream])
             .map_err(sys_err("cuMemFreeAsync"))
+    }
+
+    /// `cuEventRecord` on `from`, `cuStreamWaitEvent` on `stream`: the
+    /// driver's pool follows event dependencies by itself.
+    #[inline]
+    fn wait(&mut self, from: usize, stream: usize) -> Result<(), ReplayError> {
+        let dev = &self.streams.device;
+        dev.record_event(self.event, self.streams.streams[from])
+            .map_err(sys_err("cuEventRecord"))?;
+        dev.wait_event(self.streams.streams[stream], self.event)
+            .map_err(sys_err("cuStreamWaitEvent"))
     }
 
     fn reserved_high(&self) -> Result<u64, ReplayError> {
@@ -169,6 +196,13 @@ impl ReplayAllocator for CuMemAlloc {
     fn free(&mut self, (ptr, size): (DevicePtr, usize), _stream: usize) -> Result<(), ReplayError> {
         baseline::mem_free(&self.device, ptr).map_err(sys_err("cuMemFree"))?;
         self.live -= size as u64;
+        Ok(())
+    }
+
+    /// Nothing to do: `cuMemAlloc`/`cuMemFree` take no stream and
+    /// `cuMemFree` synchronises, so every operation is already ordered
+    /// after all earlier work.
+    fn wait(&mut self, _from: usize, _stream: usize) -> Result<(), ReplayError> {
         Ok(())
     }
 

@@ -41,6 +41,11 @@ pub trait ReplayAllocator {
     fn name(&self) -> &'static str;
     fn alloc(&mut self, size: usize, stream: usize) -> Result<Self::Handle, AllocError>;
     fn free(&mut self, handle: Self::Handle, stream: usize) -> Result<(), ReplayError>;
+    /// Order `stream` after the work issued on `from` so far (a trace's `w`
+    /// line): record an event on `from` and make `stream` wait on it, in
+    /// the way the allocator learns of the dependency (through a pool's
+    /// own record/wait calls where it has them).
+    fn wait(&mut self, from: usize, stream: usize) -> Result<(), ReplayError>;
     /// Highest reserved bytes since creation or the last [`Self::reset_high`].
     fn reserved_high(&self) -> Result<u64, ReplayError>;
     /// Reserved bytes now.
@@ -200,6 +205,9 @@ impl<'t, A: ReplayAllocator> Replayer<'t, A> {
                             allocator.free(h, stream as usize)?;
                         }
                     }
+                    TraceOp::Wait { from, stream } => {
+                        allocator.wait(from as usize, stream as usize)?;
+                    }
                 }
             }
             wall += start.elapsed();
@@ -270,6 +278,8 @@ pub struct IdealAllocator {
     high: u64,
     /// Calls seen, for tests: (allocs, frees, synchronizes).
     pub calls: (u64, u64, u64),
+    /// Waits seen, for tests: (from, stream) of each.
+    pub waits: Vec<(usize, usize)>,
     /// Streams seen by alloc and free.
     pub max_stream: usize,
 }
@@ -283,6 +293,7 @@ impl IdealAllocator {
             reserved: 0,
             high: 0,
             calls: (0, 0, 0),
+            waits: Vec::new(),
             max_stream: 0,
         }
     }
@@ -317,6 +328,12 @@ impl ReplayAllocator for IdealAllocator {
         self.calls.1 += 1;
         self.max_stream = self.max_stream.max(stream);
         self.reserved -= handle.1;
+        Ok(())
+    }
+
+    fn wait(&mut self, from: usize, stream: usize) -> Result<(), ReplayError> {
+        self.max_stream = self.max_stream.max(from).max(stream);
+        self.waits.push((from, stream));
         Ok(())
     }
 

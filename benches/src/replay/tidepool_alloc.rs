@@ -70,6 +70,20 @@ impl<D: Device> ReplayAllocator for TidepoolAlloc<D> {
             .map_err(|e| ReplayError(format!("tidepool: free_async: {}", e.error)))
     }
 
+    /// Through the pool (`record_event` on `from`, `wait_event` on
+    /// `stream`), so that the pool follows the dependency: what `from`
+    /// freed before the event becomes reusable on `stream`.
+    #[inline]
+    fn wait(&mut self, from: usize, stream: usize) -> Result<(), ReplayError> {
+        let event = self
+            .pool
+            .record_event(self.streams.streams[from])
+            .map_err(pool_err("record_event"))?;
+        self.pool
+            .wait_event(self.streams.streams[stream], &event)
+            .map_err(pool_err("wait_event"))
+    }
+
     fn reserved_high(&self) -> Result<u64, ReplayError> {
         Ok(self.pool.stats().reserved_high)
     }

@@ -6,6 +6,12 @@
 //! check anything: a free of an id that is not live and an allocation of an
 //! id that is already live are errors naming the line. An id may be
 //! allocated again after its free (it then names a new allocation).
+//!
+//! Besides allocations (`a`) and frees (`f`), a trace may order one stream
+//! after another (`w,FROM,0,STREAM`: STREAM waits for the work issued on
+//! FROM so far, an event recorded on FROM and waited on by STREAM). That is
+//! what makes a free on another stream than the allocation's legal: see
+//! [`Trace::unordered_frees`].
 
 use std::collections::HashMap;
 use std::fmt;
@@ -19,8 +25,22 @@ use std::time::{Duration, Instant};
 /// [`Trace::streams`] (dense as well).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TraceOp {
-    Alloc { slot: u32, size: usize, stream: u32 },
-    Free { slot: u32, stream: u32 },
+    Alloc {
+        slot: u32,
+        size: usize,
+        stream: u32,
+    },
+    Free {
+        slot: u32,
+        stream: u32,
+    },
+    /// `stream` waits for the work issued on `from` so far (an event
+    /// recorded on `from`, waited on by `stream`). Both index
+    /// [`Trace::streams`] and differ.
+    Wait {
+        from: u32,
+        stream: u32,
+    },
 }
 
 /// A parsed trace, ready to replay.
@@ -44,6 +64,8 @@ pub struct Trace {
     pub allocs: usize,
     /// Number of distinct allocation sizes.
     pub distinct_sizes: usize,
+    /// Number of waits (`w` lines).
+    pub waits: usize,
     /// How long parsing took (reading, decompressing and validating).
     pub parse_time: Duration,
 }
@@ -78,8 +100,8 @@ impl fmt::Display for TraceError {
             TraceError::Empty { path } => write!(
                 f,
                 "{}: the trace holds no operation (empty file, or a header only); a trace has \
-                 one line `a,ID,SIZE,STREAM` or `f,ID,SIZE,STREAM` per operation \
-                 (see benches/traces/README.md)",
+                 one line `a,ID,SIZE,STREAM`, `f,ID,SIZE,STREAM` or `w,FROM,0,STREAM` per \
+                 operation (see benches/traces/README.md)",
                 path.display()
             ),
             TraceError::NoLiveBytes { path } => write!(
@@ -190,6 +212,7 @@ impl Trace {
         let mut live = 0u64;
         let mut peak = 0u64;
         let mut allocs = 0usize;
+        let mut waits = 0usize;
         let limit = max_ops.unwrap_or(usize::MAX);
 
         let mut buf = String::new();
@@ -256,15 +279,36 @@ impl Trace {
             let id = num(1, "id")?;
             let size = num(2, "size")?;
             let stream_no = num(3, "stream")?;
-            let stream = match stream_index.get(&stream_no) {
+            let mut stream_of = |no: u64| match stream_index.get(&no) {
                 Some(&s) => s,
                 None => {
                     let s = streams.len() as u32;
-                    streams.push(stream_no);
-                    stream_index.insert(stream_no, s);
+                    streams.push(no);
+                    stream_index.insert(no, s);
                     s
                 }
             };
+            if fields[0] == "w" {
+                // Checked before the streams are numbered, so that a bad
+                // line adds no stream.
+                if id == stream_no {
+                    return Err(bad(format!(
+                        "wait of stream {stream_no} on itself (a stream is always ordered \
+                         after its own work; `w,FROM,0,STREAM` needs two streams)"
+                    )));
+                }
+                if size != 0 {
+                    return Err(bad(format!(
+                        "wait with size {size}: the size field of `w,FROM,0,STREAM` must be 0"
+                    )));
+                }
+                let from = stream_of(id);
+                let stream = stream_of(stream_no);
+                waits += 1;
+                ops.push(TraceOp::Wait { from, stream });
+                continue;
+            }
+            let stream = stream_of(stream_no);
             match fields[0] {
                 "a" => {
                     let size = usize::try_from(size)
@@ -301,7 +345,11 @@ impl Trace {
                     live -= size as u64;
                     ops.push(TraceOp::Free { slot, stream });
                 }
-                other => return Err(bad(format!("unknown op `{other}` (expected `a` or `f`)"))),
+                other => {
+                    return Err(bad(format!(
+                        "unknown op `{other}` (expected `a`, `f` or `w`)"
+                    )))
+                }
             }
         }
         Ok(Trace {
@@ -314,6 +362,7 @@ impl Trace {
             live_at_end: live_ids.len(),
             allocs,
             distinct_sizes: sizes.len(),
+            waits,
             parse_time: start.elapsed(),
         })
     }
@@ -340,6 +389,7 @@ impl Trace {
                         live += size as u64;
                     }
                     TraceOp::Free { slot, .. } => live -= sizes[slot as usize],
+                    TraceOp::Wait { .. } => {}
                 }
                 let done = b * per + i + 1;
                 if live < lo.1 {
@@ -354,6 +404,52 @@ impl Trace {
             for p in [first, second, last] {
                 if out.last() != Some(&p) {
                     out.push(p);
+                }
+            }
+        }
+        out
+    }
+
+    /// The frees that are not ordered after their allocation: a free on
+    /// stream B of a block allocated on stream A is ordered when B waited,
+    /// directly or through a chain of waits (`w` lines), on A's work issued
+    /// at or after the allocation; a free on the allocation's own stream
+    /// always is. Returns the indices (into [`Trace::ops`]) of the frees
+    /// that are not. Such a free would hand memory back while the
+    /// allocating stream may still use it; a trace meant to run on a real
+    /// program's streams should have none.
+    ///
+    /// Vector clocks over the trace's streams: each stream counts the
+    /// operations issued on it, and a wait merges the waited stream's clock
+    /// into the waiting one's.
+    pub fn unordered_frees(&self) -> Vec<usize> {
+        let n = self.streams.len();
+        let mut clocks = vec![vec![0u64; n]; n];
+        // slot -> (allocating stream, its own clock at the allocation)
+        let mut born = vec![(0usize, 0u64); self.slots];
+        let mut out = Vec::new();
+        for (i, op) in self.ops.iter().enumerate() {
+            match *op {
+                TraceOp::Alloc { slot, stream, .. } => {
+                    let s = stream as usize;
+                    clocks[s][s] += 1;
+                    born[slot as usize] = (s, clocks[s][s]);
+                }
+                TraceOp::Free { slot, stream } => {
+                    let s = stream as usize;
+                    clocks[s][s] += 1;
+                    let (a, t) = born[slot as usize];
+                    if clocks[s][a] < t {
+                        out.push(i);
+                    }
+                }
+                TraceOp::Wait { from, stream } => {
+                    let (f, s) = (from as usize, stream as usize);
+                    clocks[f][f] += 1;
+                    let seen = clocks[f].clone();
+                    for (mine, theirs) in clocks[s].iter_mut().zip(seen) {
+                        *mine = (*mine).max(theirs);
+                    }
                 }
             }
         }
@@ -379,6 +475,7 @@ impl Trace {
                     live += size as u64;
                 }
                 TraceOp::Free { slot, .. } => live -= sizes[slot as usize],
+                TraceOp::Wait { .. } => {}
             }
         }
         while next < counts.len() {
