@@ -63,6 +63,7 @@ BENCHES = OrderedDict([
     ("pair", ("time", "alloc+free pair, same stream")),
     ("many_live", ("time", "per op, 10,000 live 64 KiB")),
     ("cross_stream", ("time", "per round: alloc+free on A, event A→B, alloc on B, event B→A, free on A")),
+    ("producer_consumer", ("time", "per round: alloc on the producer, event, a consumer (round robin) waits, free on the consumer; param = streams in all")),
     ("threads", ("rate", "aggregate 64 KiB pairs per second, N threads on N streams")),
     ("trace_replay", ("rate", "trace operations per second, warm pass")),
     ("trace_fresh", ("rate", "trace operations per second, fresh pass (one pass)")),
@@ -236,6 +237,10 @@ def main():
             if n["note"] == "cross_stream_reuse":
                 out.append(f"- cross_stream {n['allocator']}: {n['reused'] * 100:.1f} % of allocations "
                            "got the address the other stream had just freed")
+            elif n["note"] == "producer_consumer_reuse":
+                out.append(f"- producer_consumer {n['param']} {n['allocator']}: {n['reused'] * 100:.1f} % of the "
+                           "producer's allocations got the block a consumer freed in the round before; "
+                           f"peak reserved {n['peak_reserved_bytes'] / 2**20:.1f} MiB over {n['rounds']} rounds")
             elif n["note"] == "trace_reserved_over_live":
                 out.append(f"- trace {n['param']} {n['allocator']}: warm-pass peak reserved / peak live "
                            f"= {n['warm_ratio']:.3f}")
