@@ -25,6 +25,7 @@ if has replay; then
   echo "== replay"
   timeout 150 .gpu/bin/tidepool-replay --backend cuda --compare --passes 2 --json \
     --plot "$OUT/replay.svg" benches/traces/gpt2-fixed.csv.gz benches/traces/gpt2-varlen.csv.gz \
+    benches/traces/pipeline.csv.gz benches/traces/random-longlived.csv.gz \
     > "$OUT/replay.jsonl" 2> "$OUT/replay.err"
   echo "replay exit $?" | tee -a "$OUT/gpu.txt"
   cat "$OUT/replay.jsonl"; tail -3 "$OUT/replay.err"
