@@ -34,6 +34,12 @@ impl<D: Device> TidepoolAlloc<D> {
     pub fn pool(&self) -> &MemPool<D> {
         &self.pool
     }
+
+    /// The device streams, one per trace stream (index = the trace's dense
+    /// stream index).
+    pub fn streams(&self) -> &[tidepool_sys::Stream] {
+        &self.streams.streams
+    }
 }
 
 fn pool_err(what: &'static str) -> impl Fn(PoolError) -> ReplayError {
