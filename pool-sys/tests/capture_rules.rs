@@ -191,6 +191,30 @@ fn capture_rules(dev: &dyn Device) {
     );
 }
 
+/// Prints (never asserts: machine speed varies) what the capture-state
+/// queries cost per call, averaged over 200,000 calls on one stream.
+fn print_query_costs(dev: &dyn Device) {
+    const CALLS: u32 = 200_000;
+    let s = dev.create_stream().unwrap();
+    let time = |f: &dyn Fn() -> bool| {
+        let start = std::time::Instant::now();
+        let mut capturing = 0u32;
+        for _ in 0..CALLS {
+            capturing += u32::from(std::hint::black_box(f()));
+        }
+        assert_eq!(capturing, 0, "the stream is not capturing");
+        start.elapsed().as_nanos() as f64 / f64::from(CALLS)
+    };
+    let status = time(&|| dev.capture_status(s).unwrap().is_capturing());
+    let is = time(&|| dev.is_capturing(s).unwrap());
+    let _ = writeln!(
+        std::io::stderr().lock(),
+        "COST [{}] capture_status {status:.1} ns/call, is_capturing {is:.1} ns/call ({CALLS} calls each)",
+        dev.backend_name()
+    );
+    dev.destroy_stream(s).unwrap();
+}
+
 #[test]
 fn capture_rules_host() {
     let dev = HostDevice::with_config(HostConfig {
@@ -198,6 +222,7 @@ fn capture_rules_host() {
         granularity: 2 << 20,
     });
     capture_rules(&dev);
+    print_query_costs(&dev);
 }
 
 #[test]
@@ -206,4 +231,5 @@ fn capture_rules_cuda() {
         return;
     };
     capture_rules(&dev);
+    print_query_costs(&dev);
 }
