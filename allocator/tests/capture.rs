@@ -120,6 +120,38 @@ impl Device for Watch {
     fn launch_host(&self, stream: Stream, task: HostTask) -> SysResult<()> {
         self.inner.launch_host(stream, task)
     }
+
+    fn capture_status(&self, stream: Stream) -> SysResult<tidepool_sys::CaptureStatus> {
+        self.inner.capture_status(stream)
+    }
+    fn graph_alloc(&self, stream: Stream, size: usize) -> SysResult<tidepool_sys::DevicePtr> {
+        self.inner.graph_alloc(stream, size)
+    }
+    fn graph_free(&self, stream: Stream, ptr: tidepool_sys::DevicePtr) -> SysResult<()> {
+        self.inner.graph_free(stream, ptr)
+    }
+    fn begin_capture(&self, stream: Stream, mode: tidepool_sys::CaptureMode) -> SysResult<()> {
+        self.inner.begin_capture(stream, mode)
+    }
+    fn end_capture(&self, stream: Stream) -> SysResult<tidepool_sys::Graph> {
+        self.inner.end_capture(stream)
+    }
+    fn instantiate_graph(
+        &self,
+        graph: tidepool_sys::Graph,
+        options: tidepool_sys::GraphOptions,
+    ) -> SysResult<tidepool_sys::GraphExec> {
+        self.inner.instantiate_graph(graph, options)
+    }
+    fn launch_graph(&self, exec: tidepool_sys::GraphExec, stream: Stream) -> SysResult<()> {
+        self.inner.launch_graph(exec, stream)
+    }
+    fn destroy_graph(&self, graph: tidepool_sys::Graph) -> SysResult<()> {
+        self.inner.destroy_graph(graph)
+    }
+    fn destroy_graph_exec(&self, exec: tidepool_sys::GraphExec) -> SysResult<()> {
+        self.inner.destroy_graph_exec(exec)
+    }
 }
 
 fn watch() -> Arc<Watch> {

@@ -81,17 +81,39 @@ impl HostKernels {
         &self.dev
     }
 
+    /// Enqueue a fill/verify task. On a stream being captured into a graph
+    /// the task is replayable (it runs once per launch of the graph) and is
+    /// not counted as pending: read the counters after synchronising the
+    /// stream the graph was launched on.
     fn launch_words(
         &self,
         stream: Stream,
         ptr: DevicePtr,
         len: usize,
         during: &'static str,
-        f: impl FnOnce(&[AtomicU32], &Counters) + Send + 'static,
-        on_fault: impl FnOnce(&Counters, &SysError) + Send + 'static,
+        f: impl Fn(&[AtomicU32], &Counters) + Send + Sync + 'static,
+        on_fault: impl Fn(&Counters, &SysError) + Send + Sync + 'static,
     ) -> Result<(), KernelError> {
         if check_range(ptr, len)? == 0 {
             return Ok(());
+        }
+        let capturing = self
+            .dev
+            .capture_status(stream)
+            .map_err(device(during))?
+            .is_capturing();
+        if capturing {
+            let counters = Arc::clone(&self.counters);
+            return self
+                .dev
+                .launch_on_words_repeatable(stream, ptr, len, move |words| match words {
+                    Ok(words) => f(words, &counters),
+                    Err(e) => {
+                        counters.access_faults.fetch_add(1, Ordering::Relaxed);
+                        on_fault(&counters, &e);
+                    }
+                })
+                .map_err(device(during));
         }
         let guard = PendingGuard::new(&self.counters);
         self.dev
@@ -183,8 +205,9 @@ impl TagKernels for HostKernels {
     }
 
     fn spin(&self, stream: Stream, ns: u64) -> Result<(), KernelError> {
+        // Replayable, so that a spin can be captured into a graph too.
         self.dev
-            .launch_host(stream, Box::new(move || spin_for(ns)))
+            .launch_host_repeatable(stream, Arc::new(move || spin_for(ns)))
             .map_err(device("enqueueing a host spin"))
     }
 

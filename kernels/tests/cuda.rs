@@ -224,3 +224,14 @@ fn pool_refuses_a_stream_of_another_device_object() {
     }
     tidepool_sys::Device::destroy_stream(&other, foreign).unwrap();
 }
+
+/// A graph that allocates through graph memory nodes, fills and verifies
+/// tags and frees, captured once and launched 100 times, the mismatch
+/// count read back after each launch, with eager work on another stream.
+#[test]
+fn captured_graph_replays_100_times() {
+    let Some(gpu) = setup("captured_graph_replays_100_times") else {
+        return;
+    };
+    common::captured_graph_replays(&*gpu.dev, &*gpu.k, 100, &|| 0);
+}

@@ -642,4 +642,56 @@ impl Device for ModelDevice {
         task();
         Ok(())
     }
+
+    // The model never captures: every stream reports no capture, and the
+    // graph calls are refused (no model of the pool starts a capture).
+
+    fn capture_status(&self, stream: Stream) -> SysResult<tidepool_sys::CaptureStatus> {
+        let mut st = lock(&self.st);
+        st.stream(Op::CaptureStatus, stream)
+            .map(|_| tidepool_sys::CaptureStatus::None)
+    }
+
+    fn graph_alloc(&self, _stream: Stream, _size: usize) -> SysResult<DevicePtr> {
+        Err(no_graphs(Op::GraphAlloc))
+    }
+
+    fn graph_free(&self, _stream: Stream, _ptr: DevicePtr) -> SysResult<()> {
+        Err(no_graphs(Op::GraphFree))
+    }
+
+    fn begin_capture(&self, _stream: Stream, _mode: tidepool_sys::CaptureMode) -> SysResult<()> {
+        Err(no_graphs(Op::Graph))
+    }
+
+    fn end_capture(&self, _stream: Stream) -> SysResult<tidepool_sys::Graph> {
+        Err(no_graphs(Op::Graph))
+    }
+
+    fn instantiate_graph(
+        &self,
+        _graph: tidepool_sys::Graph,
+        _options: tidepool_sys::GraphOptions,
+    ) -> SysResult<tidepool_sys::GraphExec> {
+        Err(no_graphs(Op::Graph))
+    }
+
+    fn launch_graph(&self, _exec: tidepool_sys::GraphExec, _stream: Stream) -> SysResult<()> {
+        Err(no_graphs(Op::Graph))
+    }
+
+    fn destroy_graph(&self, _graph: tidepool_sys::Graph) -> SysResult<()> {
+        Err(no_graphs(Op::Graph))
+    }
+
+    fn destroy_graph_exec(&self, _exec: tidepool_sys::GraphExec) -> SysResult<()> {
+        Err(no_graphs(Op::Graph))
+    }
+}
+
+fn no_graphs(op: Op) -> tidepool_sys::SysError {
+    tidepool_sys::SysError::Unsupported {
+        op,
+        reason: "the loom model device has no graphs".into(),
+    }
 }

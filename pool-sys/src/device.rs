@@ -49,6 +49,85 @@ handle!(
     IpcEvent
 );
 
+handle!(
+    /// A graph made by [`Device::end_capture`]: the work captured on a
+    /// stream, not yet runnable. Destroy it with [`Device::destroy_graph`].
+    Graph
+);
+handle!(
+    /// An executable graph made by [`Device::instantiate_graph`]: launched
+    /// any number of times with [`Device::launch_graph`], destroyed with
+    /// [`Device::destroy_graph_exec`].
+    GraphExec
+);
+
+/// Whether a stream is being captured into a graph, and which capture.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CaptureStatus {
+    /// Work on the stream runs.
+    None,
+    /// Work on the stream is recorded into a graph instead of run. `id`
+    /// names this capture: a stream captured twice gets two ids, and
+    /// streams joined into one capture share its id. Ids are unique for the
+    /// backend's lifetime.
+    Active {
+        /// The capture's id (`cuStreamGetCaptureInfo`'s `id_out`).
+        id: u64,
+    },
+    /// The stream was capturing and a refused call broke the capture; it
+    /// must still be ended ([`Device::end_capture`] then fails) before the
+    /// stream runs work again.
+    Invalidated {
+        /// The capture's id.
+        id: u64,
+    },
+}
+
+impl CaptureStatus {
+    /// True for `Active` and `Invalidated`: work issued now is not run.
+    pub fn is_capturing(self) -> bool {
+        !matches!(self, CaptureStatus::None)
+    }
+
+    /// The capture's id, if the stream is capturing.
+    pub fn id(self) -> Option<u64> {
+        match self {
+            CaptureStatus::None => None,
+            CaptureStatus::Active { id } | CaptureStatus::Invalidated { id } => Some(id),
+        }
+    }
+}
+
+/// Which calls of other threads a capture refuses (`CUstreamCaptureMode`).
+///
+/// Calls that cannot be captured and may synchronise implicitly (device- or
+/// context-wide synchronisation, legacy allocation calls) break a capture
+/// when made concurrently with it: in `Global` mode from any thread that
+/// has not switched itself to relaxed, in `ThreadLocal` mode only from the
+/// capturing thread, in `Relaxed` mode never (the caller takes care).
+/// Calls on the capturing stream itself (synchronise or query it, query or
+/// synchronise an event recorded into the capture) are refused in every
+/// mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum CaptureMode {
+    /// Refuse unsafe calls from every thread (the driver's default).
+    #[default]
+    Global,
+    /// Refuse unsafe calls from the thread that began the capture.
+    ThreadLocal,
+    /// Refuse nothing beyond the calls on the capture itself.
+    Relaxed,
+}
+
+/// How an executable graph is made (`CUgraphInstantiate_flags`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct GraphOptions {
+    /// Free, at the start of each launch, the graph allocations that the
+    /// previous launch left unfreed (`CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH`).
+    /// Without it, launching while such an allocation is still live fails.
+    pub auto_free_on_launch: bool,
+}
+
 /// What another process needs to open an interprocess event: opaque bytes
 /// (the CUDA backend's `CUipcEventHandle`) and, on the host backend, a file
 /// descriptor of the shared counters. Send both, e.g. with
@@ -239,7 +318,72 @@ pub trait Device: Send + Sync + 'static {
 
     /// Run `task` on the host once the stream's earlier work is done; later
     /// work on the stream waits for it.
+    ///
+    /// A one-shot task cannot be captured into a graph (a graph runs its
+    /// work once per launch): on a capturing stream this is a
+    /// [`SysError::CaptureViolation`].
     fn launch_host(&self, stream: Stream, task: HostTask) -> SysResult<()>;
+
+    // --- graph capture ---
+    //
+    // No default bodies: a wrapper that forgot to forward these would
+    // report "not capturing" for a capturing stream and break the user's
+    // graph, so every implementation states its answer.
+
+    /// The capture state of `stream`, with the capture's id
+    /// (`cuStreamGetCaptureInfo`): one driver call, no lock on the CUDA
+    /// backend, one atomic load on the host backend. Also sees captures
+    /// begun by anyone else with the raw driver call.
+    fn capture_status(&self, stream: Stream) -> SysResult<CaptureStatus>;
+
+    /// Allocate `size` bytes in stream order from the driver's own pool
+    /// (`cuMemAllocAsync`). On a capturing stream this records a graph
+    /// memory *allocation node*: the address is fixed now and stays the
+    /// same for every launch of the graph, but it is backed only for work
+    /// ordered after the allocation node and before the matching free node
+    /// of each launch. Outside a capture it is an ordinary stream-ordered
+    /// allocation (valid for work after it on `stream`).
+    ///
+    /// A graph allocation that the graph does not free is live after each
+    /// launch: free it with [`Device::graph_free`] (in stream order after
+    /// its last use) before the next launch, or instantiate with
+    /// [`GraphOptions::auto_free_on_launch`]; launching again while it is
+    /// live fails, and destroying the graph does not free it.
+    fn graph_alloc(&self, stream: Stream, size: usize) -> SysResult<DevicePtr>;
+
+    /// Free, in stream order, memory from [`Device::graph_alloc`]
+    /// (`cuMemFreeAsync`). On a capturing stream this records a graph
+    /// memory *free node*: in each launch, work ordered after it may no
+    /// longer touch the memory (the backing may be handed to other work of
+    /// the graph or unmapped). Outside a capture it frees the memory once
+    /// the stream's earlier work is done.
+    fn graph_free(&self, stream: Stream, ptr: DevicePtr) -> SysResult<()>;
+
+    /// Start capturing `stream` (`cuStreamBeginCapture`): work issued to it
+    /// from now on is recorded into a graph, not run.
+    fn begin_capture(&self, stream: Stream, mode: CaptureMode) -> SysResult<()>;
+
+    /// Stop capturing `stream` (the stream the capture began on) and return
+    /// the recorded graph (`cuStreamEndCapture`). Fails if the capture was
+    /// invalidated; the stream is then out of capture all the same.
+    fn end_capture(&self, stream: Stream) -> SysResult<Graph>;
+
+    /// Make an executable graph (`cuGraphInstantiateWithFlags`). A graph
+    /// with memory nodes may have one executable graph at a time.
+    fn instantiate_graph(&self, graph: Graph, options: GraphOptions) -> SysResult<GraphExec>;
+
+    /// Run the executable graph's work on `stream`, in stream order
+    /// (`cuGraphLaunch`).
+    fn launch_graph(&self, exec: GraphExec, stream: Stream) -> SysResult<()>;
+
+    /// Destroy a graph (`cuGraphDestroy`). Executable graphs made from it
+    /// stay usable.
+    fn destroy_graph(&self, graph: Graph) -> SysResult<()>;
+
+    /// Destroy an executable graph (`cuGraphExecDestroy`). Launches already
+    /// issued still run. Graph allocations it left live stay live until
+    /// freed with [`Device::graph_free`].
+    fn destroy_graph_exec(&self, exec: GraphExec) -> SysResult<()>;
 
     // --- peers and interprocess sharing ---
     //

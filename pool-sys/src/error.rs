@@ -70,6 +70,17 @@ pub enum Op {
     /// Interprocess events ([`Device::create_ipc_event`](crate::Device::create_ipc_event)
     /// and the calls on them) and the messages of [`crate::ipc`].
     Ipc,
+    /// [`Device::capture_status`](crate::Device::capture_status).
+    CaptureStatus,
+    /// [`Device::graph_alloc`](crate::Device::graph_alloc).
+    GraphAlloc,
+    /// [`Device::graph_free`](crate::Device::graph_free).
+    GraphFree,
+    /// Capture control: [`Device::begin_capture`](crate::Device::begin_capture),
+    /// [`Device::end_capture`](crate::Device::end_capture),
+    /// [`Device::instantiate_graph`](crate::Device::instantiate_graph),
+    /// [`Device::launch_graph`](crate::Device::launch_graph) and the destroys.
+    Graph,
 }
 
 impl Op {
@@ -105,6 +116,10 @@ impl Op {
         Op::GetAccess,
         Op::PeerAccess,
         Op::Ipc,
+        Op::CaptureStatus,
+        Op::GraphAlloc,
+        Op::GraphFree,
+        Op::Graph,
     ];
 
     /// A short, stable name ("map", "create_physical", ...).
@@ -140,6 +155,10 @@ impl Op {
             Op::GetAccess => "get_access",
             Op::PeerAccess => "peer_access",
             Op::Ipc => "ipc",
+            Op::CaptureStatus => "capture_status",
+            Op::GraphAlloc => "graph_alloc",
+            Op::GraphFree => "graph_free",
+            Op::Graph => "graph",
         }
     }
 }
@@ -220,6 +239,15 @@ pub enum SysError {
         /// Why, and what to use instead.
         reason: String,
     },
+    /// The call is not permitted while a stream is being captured into a
+    /// graph (the driver refuses it too): it would wait for, or ask about,
+    /// work that does not run until the graph is launched.
+    CaptureViolation {
+        /// The refused operation.
+        op: Op,
+        /// Which capture rule it breaks.
+        reason: String,
+    },
     /// A failure made on purpose by [`crate::FaultInjector`].
     Injected {
         /// The operation made to fail.
@@ -242,6 +270,7 @@ impl SysError {
             | SysError::InvalidHandle { op, .. }
             | SysError::ForeignHandle { op, .. }
             | SysError::Unsupported { op, .. }
+            | SysError::CaptureViolation { op, .. }
             | SysError::Injected { op, .. } => Some(*op),
         }
     }
@@ -287,6 +316,11 @@ impl fmt::Display for SysError {
                 "{op}: {what} {id} belongs to another device instance; use the {what}s of the device this call was made on"
             ),
             SysError::Unsupported { op, reason } => write!(f, "{op}: not supported: {reason}"),
+            SysError::CaptureViolation { op, reason } => write!(
+                f,
+                "{op}: not permitted during stream capture: {reason}; end the capture first, \
+                 or issue the call from outside it"
+            ),
             SysError::Injected { op, call } => {
                 write!(f, "{op}: failure injected on call {call}")
             }

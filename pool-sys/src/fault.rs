@@ -12,7 +12,8 @@
 //! counted nor failed.
 
 use crate::device::{
-    AccessDesc, Device, DevicePtr, Event, HostTask, MemInfo, Physical, PhysicalOptions, Stream,
+    AccessDesc, CaptureMode, CaptureStatus, Device, DevicePtr, Event, Graph, GraphExec,
+    GraphOptions, HostTask, MemInfo, Physical, PhysicalOptions, Stream,
 };
 use crate::error::{Op, SysError, SysResult};
 use std::os::fd::OwnedFd;
@@ -238,6 +239,45 @@ impl<D: Device> Device for FaultInjector<D> {
     fn launch_host(&self, stream: Stream, task: HostTask) -> SysResult<()> {
         self.check(Op::LaunchHost)?;
         self.inner.launch_host(stream, task)
+    }
+
+    // --- graph capture ---
+
+    fn capture_status(&self, stream: Stream) -> SysResult<CaptureStatus> {
+        self.check(Op::CaptureStatus)?;
+        self.inner.capture_status(stream)
+    }
+    fn graph_alloc(&self, stream: Stream, size: usize) -> SysResult<DevicePtr> {
+        self.check(Op::GraphAlloc)?;
+        self.inner.graph_alloc(stream, size)
+    }
+    fn graph_free(&self, stream: Stream, ptr: DevicePtr) -> SysResult<()> {
+        self.check(Op::GraphFree)?;
+        self.inner.graph_free(stream, ptr)
+    }
+    fn begin_capture(&self, stream: Stream, mode: CaptureMode) -> SysResult<()> {
+        self.check(Op::Graph)?;
+        self.inner.begin_capture(stream, mode)
+    }
+    fn end_capture(&self, stream: Stream) -> SysResult<Graph> {
+        self.check(Op::Graph)?;
+        self.inner.end_capture(stream)
+    }
+    fn instantiate_graph(&self, graph: Graph, options: GraphOptions) -> SysResult<GraphExec> {
+        self.check(Op::Graph)?;
+        self.inner.instantiate_graph(graph, options)
+    }
+    fn launch_graph(&self, exec: GraphExec, stream: Stream) -> SysResult<()> {
+        self.check(Op::Graph)?;
+        self.inner.launch_graph(exec, stream)
+    }
+    fn destroy_graph(&self, graph: Graph) -> SysResult<()> {
+        self.check(Op::Graph)?;
+        self.inner.destroy_graph(graph)
+    }
+    fn destroy_graph_exec(&self, exec: GraphExec) -> SysResult<()> {
+        self.check(Op::Graph)?;
+        self.inner.destroy_graph_exec(exec)
     }
 
     // --- sharing: forwarded; failures through the ops they report ---

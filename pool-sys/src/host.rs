@@ -32,15 +32,15 @@
 //! set-access take the write lock, so no access races an unmap.
 
 use crate::device::{
-    Access, AccessDesc, Device, DevicePtr, Event, HostTask, MemInfo, Physical, PhysicalOptions,
-    Stream,
+    Access, AccessDesc, CaptureMode, CaptureStatus, Device, DevicePtr, Event, Graph, GraphExec,
+    GraphOptions, HostTask, MemInfo, Physical, PhysicalOptions, Stream,
 };
 use crate::error::{Op, SysError, SysResult};
 use crate::validate::{check_granular, check_size, invalid, missing_stream, stream_id};
 use rustix::fs::{fstat, ftruncate, memfd_create, MemfdFlags};
 use rustix::io::Errno;
 use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -48,7 +48,10 @@ use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Once, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::thread::JoinHandle;
 
+mod graph;
 mod share;
+
+use graph::{CaptureEntry, Task};
 
 /// One process-wide counter for every id the host backend issues (streams,
 /// events, physical handles), so that no id is ever issued twice, even across
@@ -346,9 +349,14 @@ struct StreamState {
     sender: Mutex<Option<mpsc::Sender<HostTask>>>,
     progress: Mutex<Progress>,
     done: Condvar,
-    /// Mirrors the device's `capturing` set, for the lock-free
-    /// `is_capturing` through `crate::recent`.
-    capturing: AtomicBool,
+    /// The id of the stream's capture, 0 when it is not capturing: the
+    /// lock-free `is_capturing`/`capture_status` through `crate::recent`.
+    capture_id: AtomicU64,
+    /// Set when a refused call invalidated the capture.
+    capture_invalid: AtomicBool,
+    /// The capture recording this stream's work (`None` outside a capture,
+    /// and for the `set_capturing` test aid, under which work still runs).
+    recording: Mutex<Option<Arc<graph::Recording>>>,
     /// Set on destroy, before the table forgets the stream.
     destroyed: AtomicBool,
 }
@@ -425,6 +433,9 @@ struct Recorded {
 #[derive(Default)]
 struct EventState {
     recorded: Option<Recorded>,
+    /// The capture the event was last recorded into (then `recorded` is
+    /// `None`): querying or synchronising it is refused.
+    captured: Option<u64>,
 }
 
 // ---------------------------------------------------------------------------
@@ -449,7 +460,14 @@ pub struct HostDevice {
     /// `synchronize_device` (dropped from the list once drained).
     draining: Mutex<Vec<Arc<StreamState>>>,
     events: Mutex<HashMap<u64, EventState>>,
-    capturing: Mutex<HashSet<u64>>,
+    /// Streams being captured (for real, or through `set_capturing`).
+    captures: Mutex<HashMap<u64, CaptureEntry>>,
+    graphs: Mutex<HashMap<u64, Arc<graph::HostGraph>>>,
+    execs: Mutex<HashMap<u64, Arc<graph::HostExec>>>,
+    /// Graph allocations live outside a launch, by address.
+    graph_live: Mutex<HashMap<u64, Arc<graph::GraphMem>>>,
+    /// Failed graph memory nodes (see `HostDevice::graph_faults`).
+    graph_faults: Arc<AtomicU64>,
     default_stream: Stream,
     /// Process-unique id of this instance: the high bits of its stream ids
     /// and its key in `crate::recent`.
@@ -504,7 +522,11 @@ impl HostDevice {
             workers: Mutex::new(Vec::new()),
             draining: Mutex::new(Vec::new()),
             events: Mutex::new(HashMap::new()),
-            capturing: Mutex::new(HashSet::new()),
+            captures: Mutex::new(HashMap::new()),
+            graphs: Mutex::new(HashMap::new()),
+            execs: Mutex::new(HashMap::new()),
+            graph_live: Mutex::new(HashMap::new()),
+            graph_faults: Arc::new(AtomicU64::new(0)),
             default_stream: Stream(0),
             owner: crate::recent::new_owner(),
         };
@@ -520,19 +542,33 @@ impl HostDevice {
     }
 
     /// Test aid simulating CUDA graph capture: while set, [`Device::is_capturing`]
-    /// returns true for `stream`. Nothing else changes (work still runs).
-    /// Unknown streams are ignored.
+    /// returns true for `stream` and [`Device::capture_status`] reports an
+    /// active capture (a fresh id each time it is set), and
+    /// `synchronize_device` is refused as in a global-mode capture. Nothing
+    /// else changes (work still runs). Unknown streams, and streams in a
+    /// real capture ([`Device::begin_capture`]), are ignored.
     pub fn set_capturing(&self, stream: Stream, capturing: bool) {
+        let Some(s) = lock(&self.streams).get(&stream.0).cloned() else {
+            return;
+        };
+        let mut captures = lock(&self.captures);
+        if captures
+            .get(&stream.0)
+            .is_some_and(|e| e.recording.is_some())
         {
-            let mut set = lock(&self.capturing);
-            if capturing {
-                set.insert(stream.0);
-            } else {
-                set.remove(&stream.0);
-            }
+            return;
         }
-        if let Some(s) = lock(&self.streams).get(&stream.0) {
-            s.capturing.store(capturing, Ordering::Release);
+        if capturing {
+            if let std::collections::hash_map::Entry::Vacant(e) = captures.entry(stream.0) {
+                e.insert(CaptureEntry {
+                    mode: CaptureMode::Global,
+                    thread: std::thread::current().id(),
+                    recording: None,
+                });
+                s.capture_id.store(next_id(), Ordering::Release);
+            }
+        } else if captures.remove(&stream.0).is_some() {
+            s.capture_id.store(0, Ordering::Release);
         }
     }
 
@@ -614,6 +650,50 @@ impl HostDevice {
 
     // --- internals ---
 
+    /// New physical memory counted against the capacity (a memfd of `size`
+    /// bytes, no page touched).
+    fn new_phys(&self, op: Op, size: usize, exportable: bool) -> SysResult<Arc<PhysMem>> {
+        self.check_size(op, size)?;
+        let capacity = self.config.capacity;
+        // Claim the bytes first, atomically against concurrent creators.
+        self.used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                used.checked_add(size).filter(|&n| n <= capacity)
+            })
+            .map_err(|used| SysError::OutOfMemory {
+                op,
+                requested: size,
+                available: capacity.saturating_sub(used),
+            })?;
+        let fd = match memfd_create("tidepool-physical", MemfdFlags::CLOEXEC) {
+            Ok(fd) => fd,
+            Err(e) => {
+                self.used.fetch_sub(size, Ordering::AcqRel);
+                return Err(match e {
+                    Errno::MFILE | Errno::NFILE => SysError::Os {
+                        op,
+                        errno: e.raw_os_error(),
+                        message: format!(
+                            "{e}: out of file descriptors; every host physical handle is a \
+                             memfd (raise `ulimit -n`, or use larger physical handles)"
+                        ),
+                    },
+                    e => os_err(op, e),
+                });
+            }
+        };
+        // From here on, `PhysMem`'s drop gives the bytes back.
+        let phys = Arc::new(PhysMem {
+            fd,
+            size,
+            exportable,
+            counted: true,
+            used: Arc::clone(&self.used),
+        });
+        ftruncate(&phys.fd, size as u64).map_err(|e| os_err(op, e))?;
+        Ok(phys)
+    }
+
     fn check_granular(&self, op: Op, what: &str, value: u64) -> SysResult<()> {
         check_granular(op, what, value, self.config.granularity)
     }
@@ -630,7 +710,9 @@ impl HostDevice {
             sender: Mutex::new(Some(tx)),
             progress: Mutex::new(Progress::default()),
             done: Condvar::new(),
-            capturing: AtomicBool::new(false),
+            capture_id: AtomicU64::new(0),
+            capture_invalid: AtomicBool::new(false),
+            recording: Mutex::new(None),
             destroyed: AtomicBool::new(false),
         });
         let worker_state = Arc::clone(&state);
@@ -668,6 +750,20 @@ impl HostDevice {
         let s = self.stream(op, stream)?;
         crate::recent::put(self.owner, stream.0, &s);
         Ok(s)
+    }
+
+    /// Refuse to query or synchronise an event last recorded into a capture.
+    fn refuse_captured_event(&self, op: Op, event: Event) -> SysResult<()> {
+        let captured = lock(&self.events).get(&event.0).and_then(|e| e.captured);
+        match captured {
+            Some(_) => Err(SysError::CaptureViolation {
+                op,
+                reason: "the event was last recorded in a capturing stream; record it again \
+                         outside the capture"
+                    .into(),
+            }),
+            None => Ok(()),
+        }
     }
 
     /// Where `event` was last recorded (`None`: never), or InvalidHandle.
@@ -795,45 +891,7 @@ impl Device for HostDevice {
     }
 
     fn create_physical(&self, size: usize, options: PhysicalOptions) -> SysResult<Physical> {
-        let op = Op::CreatePhysical;
-        self.check_size(op, size)?;
-        let capacity = self.config.capacity;
-        // Claim the bytes first, atomically against concurrent creators.
-        self.used
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
-                used.checked_add(size).filter(|&n| n <= capacity)
-            })
-            .map_err(|used| SysError::OutOfMemory {
-                op,
-                requested: size,
-                available: capacity.saturating_sub(used),
-            })?;
-        let fd = match memfd_create("tidepool-physical", MemfdFlags::CLOEXEC) {
-            Ok(fd) => fd,
-            Err(e) => {
-                self.used.fetch_sub(size, Ordering::AcqRel);
-                return Err(match e {
-                    Errno::MFILE | Errno::NFILE => SysError::Os {
-                        op,
-                        errno: e.raw_os_error(),
-                        message: format!(
-                            "{e}: out of file descriptors; every host physical handle is a \
-                             memfd (raise `ulimit -n`, or use larger physical handles)"
-                        ),
-                    },
-                    e => os_err(op, e),
-                });
-            }
-        };
-        // From here on, `PhysMem`'s drop gives the bytes back.
-        let phys = Arc::new(PhysMem {
-            fd,
-            size,
-            exportable: options.exportable,
-            counted: true,
-            used: Arc::clone(&self.used),
-        });
-        ftruncate(&phys.fd, size as u64).map_err(|e| os_err(op, e))?;
+        let phys = self.new_phys(Op::CreatePhysical, size, options.exportable)?;
         let id = next_id();
         lock(&self.physical).insert(id, phys);
         Ok(Physical(id))
@@ -1035,10 +1093,23 @@ impl Device for HostDevice {
         if stream == self.default_stream {
             return Err(invalid(op, "the default stream cannot be destroyed"));
         }
+        {
+            let mut captures = lock(&self.captures);
+            if captures
+                .get(&stream.0)
+                .is_some_and(|e| e.recording.is_some())
+            {
+                return Err(SysError::CaptureViolation {
+                    op,
+                    reason: "the stream is being captured; end the capture before destroying it"
+                        .into(),
+                });
+            }
+            captures.remove(&stream.0);
+        }
         let state = lock(&self.streams)
             .remove(&stream.0)
             .ok_or_else(|| missing_stream(op, self.owner, stream.0))?;
-        lock(&self.capturing).remove(&stream.0);
         state.destroyed.store(true, Ordering::Release);
         // Dropping the sender lets the worker drain the queue and exit; it is
         // joined when the device drops.
@@ -1062,6 +1133,7 @@ impl Device for HostDevice {
 
     fn synchronize_stream(&self, stream: Stream) -> SysResult<()> {
         let s = self.stream(Op::SynchronizeStream, stream)?;
+        s.refuse_if_recording(Op::SynchronizeStream)?;
         let target = s.submitted();
         s.wait_for(target);
         Ok(())
@@ -1070,10 +1142,8 @@ impl Device for HostDevice {
     fn synchronize_device(&self) -> SysResult<()> {
         let op = Op::SynchronizeDevice;
         // As strict as the driver: a device-wide wait is illegal while a
-        // stream is being captured.
-        if !lock(&self.capturing).is_empty() {
-            return Err(invalid(op, "a stream of the device is being captured"));
-        }
+        // stream is being captured (depending on the capture's mode).
+        self.refuse_unsafe_call(op)?;
         let mut all: Vec<Arc<StreamState>> = lock(&self.streams).values().cloned().collect();
         all.extend(lock(&self.draining).iter().cloned());
         // Streams may wait on each other's events; waiting for each stream's
@@ -1087,6 +1157,7 @@ impl Device for HostDevice {
 
     fn query_stream(&self, stream: Stream) -> SysResult<bool> {
         let s = self.stream(Op::QueryStream, stream)?;
+        s.refuse_if_recording(Op::QueryStream)?;
         let target = s.submitted();
         Ok(s.is_done(target))
     }
@@ -1094,8 +1165,9 @@ impl Device for HostDevice {
     fn is_capturing(&self, stream: Stream) -> SysResult<bool> {
         Ok(self
             .resolve(Op::IsCapturing, stream)?
-            .capturing
-            .load(Ordering::Acquire))
+            .capture_id
+            .load(Ordering::Acquire)
+            != 0)
     }
 
     fn check_stream(&self, stream: Stream) -> SysResult<()> {
@@ -1117,12 +1189,21 @@ impl Device for HostDevice {
             what: "event",
             id: event.0,
         })?;
+        if let Some(rec) = s.recording() {
+            // Recorded into the capture: it marks a point of the graph, not
+            // of work that runs now.
+            e.recorded = None;
+            e.captured = Some(rec.id);
+            return Ok(());
+        }
         let target = s.submitted();
         e.recorded = Some(Recorded { stream: s, target });
+        e.captured = None;
         Ok(())
     }
 
     fn query_event(&self, event: Event) -> SysResult<bool> {
+        self.refuse_captured_event(Op::QueryEvent, event)?;
         Ok(match self.recorded(Op::QueryEvent, event)? {
             Some(r) => r.stream.is_done(r.target),
             None => true,
@@ -1130,6 +1211,7 @@ impl Device for HostDevice {
     }
 
     fn synchronize_event(&self, event: Event) -> SysResult<()> {
+        self.refuse_captured_event(Op::SynchronizeEvent, event)?;
         if let Some(r) = self.recorded(Op::SynchronizeEvent, event)? {
             r.stream.wait_for(r.target);
         }
@@ -1150,6 +1232,46 @@ impl Device for HostDevice {
     fn wait_event(&self, stream: Stream, event: Event) -> SysResult<()> {
         let op = Op::WaitEvent;
         let s = self.stream(op, stream)?;
+        let captured = lock(&self.events)
+            .get(&event.0)
+            .ok_or(SysError::InvalidHandle {
+                op,
+                what: "event",
+                id: event.0,
+            })?
+            .captured;
+        if let Some(rec) = s.recording() {
+            return match captured {
+                // A point earlier in the same (linear) recording: ordered.
+                Some(id) if id == rec.id => Ok(()),
+                Some(_) => {
+                    s.invalidate();
+                    Err(SysError::CaptureViolation {
+                        op,
+                        reason: "the event belongs to another capture (captures cannot merge)"
+                            .into(),
+                    })
+                }
+                None if self.recorded(op, event)?.is_none() => Ok(()),
+                None => {
+                    s.invalidate();
+                    Err(SysError::CaptureViolation {
+                        op,
+                        reason: "a capturing stream cannot wait on an event recorded outside \
+                                 the capture"
+                            .into(),
+                    })
+                }
+            };
+        }
+        if captured.is_some() {
+            return Err(SysError::Unsupported {
+                op,
+                reason: "waiting on an event recorded into a capture joins the stream into \
+                         that capture, which the host backend does not simulate"
+                    .into(),
+            });
+        }
         let Some(r) = self.recorded(op, event)? else {
             return Ok(()); // never recorded: no-op, like the driver
         };
@@ -1163,7 +1285,45 @@ impl Device for HostDevice {
 
     fn launch_host(&self, stream: Stream, task: HostTask) -> SysResult<()> {
         self.stream(Op::LaunchHost, stream)?
-            .enqueue(Op::LaunchHost, task)
+            .submit(Op::LaunchHost, Task::Once(task))
+    }
+
+    // --- graph capture (see `host/graph.rs`) ---
+
+    fn capture_status(&self, stream: Stream) -> SysResult<CaptureStatus> {
+        self.capture_status_impl(stream)
+    }
+
+    fn graph_alloc(&self, stream: Stream, size: usize) -> SysResult<DevicePtr> {
+        self.graph_alloc_impl(stream, size)
+    }
+
+    fn graph_free(&self, stream: Stream, ptr: DevicePtr) -> SysResult<()> {
+        self.graph_free_impl(stream, ptr)
+    }
+
+    fn begin_capture(&self, stream: Stream, mode: CaptureMode) -> SysResult<()> {
+        self.begin_capture_impl(stream, mode)
+    }
+
+    fn end_capture(&self, stream: Stream) -> SysResult<Graph> {
+        self.end_capture_impl(stream)
+    }
+
+    fn instantiate_graph(&self, graph: Graph, options: GraphOptions) -> SysResult<GraphExec> {
+        self.instantiate_graph_impl(graph, options)
+    }
+
+    fn launch_graph(&self, exec: GraphExec, stream: Stream) -> SysResult<()> {
+        self.launch_graph_impl(exec, stream)
+    }
+
+    fn destroy_graph(&self, graph: Graph) -> SysResult<()> {
+        self.destroy_graph_impl(graph)
+    }
+
+    fn destroy_graph_exec(&self, exec: GraphExec) -> SysResult<()> {
+        self.destroy_graph_exec_impl(exec)
     }
 
     // --- sharing (see `host/share.rs`) ---

@@ -20,8 +20,8 @@ mod recent;
 mod validate;
 
 pub use device::{
-    Access, AccessDesc, Device, DevicePtr, Event, HostTask, IpcEvent, IpcEventHandle, MemInfo,
-    Physical, PhysicalOptions, Stream,
+    Access, AccessDesc, CaptureMode, CaptureStatus, Device, DevicePtr, Event, Graph, GraphExec,
+    GraphOptions, HostTask, IpcEvent, IpcEventHandle, MemInfo, Physical, PhysicalOptions, Stream,
 };
 pub use error::{Op, SysError, SysResult};
 pub use fault::FaultInjector;

@@ -408,7 +408,7 @@ fn synchronize_device_is_refused_while_a_stream_is_captured() {
     d.set_capturing(s, true);
     assert!(matches!(
         d.synchronize_device(),
-        Err(SysError::InvalidArgument {
+        Err(SysError::CaptureViolation {
             op: Op::SynchronizeDevice,
             ..
         })

@@ -253,3 +253,103 @@ pub fn threads_on_streams(dev: &dyn Device, k: &dyn TagKernels) {
     });
     assert_eq!(k.mismatches().unwrap(), 0);
 }
+
+/// A graph captured once and launched `launches` times: it allocates three
+/// buffers through graph memory nodes (the third after the first is freed,
+/// so the driver may give it the first one's memory), fills each with its
+/// tag, verifies them while the others are live, and frees them. After
+/// every launch the verify kernels' mismatch count is read back and must
+/// be 0, while eager fills and verifies run on another stream in between.
+///
+/// The capture is begun with the backend's raw begin-capture call (on CUDA
+/// `cuStreamBeginCapture` itself), announced to nobody: the capture-state
+/// query must see it, with an id that differs from the next capture's.
+///
+/// `backend_faults` reports failures the backend itself detects (the host
+/// backend's failed graph memory nodes; 0 on CUDA, where a fault is a
+/// sticky error that the next synchronisation returns).
+pub fn captured_graph_replays(
+    dev: &dyn Device,
+    k: &dyn TagKernels,
+    launches: u32,
+    backend_faults: &dyn Fn() -> u64,
+) {
+    use tidepool_sys::{CaptureMode, CaptureStatus, GraphOptions};
+    const LEN: usize = 1 << 20;
+    const TAGS: [u32; 3] = [0xA11C_0001, 0xA11C_0002, 0xA11C_0003];
+    let cap = dev.create_stream().unwrap();
+    let run = dev.create_stream().unwrap();
+    let eager = dev.create_stream().unwrap();
+    k.reset_counters().unwrap();
+    // Eager memory, stream-ordered, before the capture.
+    let e = dev.graph_alloc(eager, LEN).unwrap();
+
+    assert_eq!(dev.capture_status(cap).unwrap(), CaptureStatus::None);
+    dev.begin_capture(cap, CaptureMode::Global).unwrap();
+    let status = dev.capture_status(cap).unwrap();
+    let CaptureStatus::Active { id } = status else {
+        panic!("a raw capture must be seen by the capture-state query, got {status:?}");
+    };
+    assert!(dev.is_capturing(cap).unwrap());
+    assert_eq!(dev.capture_status(eager).unwrap(), CaptureStatus::None);
+
+    let a = dev.graph_alloc(cap, LEN).unwrap();
+    k.fill_tag(cap, a, LEN, TAGS[0]).unwrap();
+    let b = dev.graph_alloc(cap, LEN).unwrap();
+    k.fill_tag(cap, b, LEN, TAGS[1]).unwrap();
+    // Eager work on another stream while the capture is open: it runs now.
+    k.fill_tag(eager, e, LEN, 0xEA6E).unwrap();
+    k.verify_tag(cap, a, LEN, TAGS[0]).unwrap();
+    k.verify_tag(cap, b, LEN, TAGS[1]).unwrap();
+    dev.graph_free(cap, a).unwrap();
+    let c = dev.graph_alloc(cap, LEN).unwrap();
+    k.fill_tag(cap, c, LEN, TAGS[2]).unwrap();
+    k.verify_tag(cap, b, LEN, TAGS[1]).unwrap();
+    k.verify_tag(cap, c, LEN, TAGS[2]).unwrap();
+    dev.graph_free(cap, b).unwrap();
+    dev.graph_free(cap, c).unwrap();
+    k.verify_tag(eager, e, LEN, 0xEA6E).unwrap();
+    let graph = dev.end_capture(cap).unwrap();
+    assert_eq!(dev.capture_status(cap).unwrap(), CaptureStatus::None);
+    assert_ne!(a, b, "two live graph allocations share an address");
+    assert_ne!(b, c, "two live graph allocations share an address");
+    // The eager work ran during the capture; the captured work did not.
+    assert_eq!(
+        k.mismatches().unwrap(),
+        0,
+        "eager verify during the capture"
+    );
+    assert_eq!(k.access_faults().unwrap(), 0);
+
+    let exec = dev
+        .instantiate_graph(graph, GraphOptions::default())
+        .unwrap();
+    for i in 0..launches {
+        dev.launch_graph(exec, run).unwrap();
+        // Eager work interleaved on another stream.
+        k.fill_tag(eager, e, LEN, i).unwrap();
+        k.verify_tag(eager, e, LEN, i).unwrap();
+        dev.synchronize_stream(run).unwrap();
+        assert_eq!(k.mismatches().unwrap(), 0, "launch {i}: tags corrupted");
+        assert_eq!(k.access_faults().unwrap(), 0, "launch {i}: access faults");
+        assert_eq!(backend_faults(), 0, "launch {i}: graph memory node failed");
+    }
+
+    // The same stream captured again: another id.
+    dev.begin_capture(cap, CaptureMode::ThreadLocal).unwrap();
+    let id2 = dev.capture_status(cap).unwrap().id().unwrap();
+    assert_ne!(
+        id, id2,
+        "two captures of one stream must have different ids"
+    );
+    let empty = dev.end_capture(cap).unwrap();
+    dev.destroy_graph(empty).unwrap();
+
+    dev.destroy_graph_exec(exec).unwrap();
+    dev.destroy_graph(graph).unwrap();
+    dev.graph_free(eager, e).unwrap();
+    dev.synchronize_stream(eager).unwrap();
+    for s in [cap, run, eager] {
+        dev.destroy_stream(s).unwrap();
+    }
+}

@@ -62,6 +62,13 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuMemsetD32Async",
     "cuMemcpyDtoH_v2",
     "cuMemcpyHtoD_v2",
+    "cuMemAllocAsync",
+    "cuStreamBeginCapture_v2",
+    "cuStreamEndCapture",
+    "cuGraphInstantiateWithFlags",
+    "cuGraphLaunch",
+    "cuGraphDestroy",
+    "cuGraphExecDestroy",
 ];
 
 /// The probe's outcome, computed once per process.
@@ -304,5 +311,139 @@ pub(crate) fn warn_drop(what: &str, r: sys::CUresult) {
             name = %error_name(r),
             "tidepool cuda: {what} failed in drop"
         );
+    }
+}
+
+/// `cuStreamGetCaptureInfo` in whichever form the driver exports: `_v3`
+/// (CUDA 12.3 and later) or `_v2`. Looked up here rather than through
+/// cudarc, whose bindings carry only one of the two depending on the CUDA
+/// version feature chosen at build time. The graph and dependency outputs
+/// are optional and passed as null.
+type CaptureInfoV3 = unsafe extern "C" fn(
+    sys::CUstream,
+    *mut sys::CUstreamCaptureStatus,
+    *mut u64,
+    *mut sys::CUgraph,
+    *mut *const sys::CUgraphNode,
+    *mut *const std::ffi::c_void,
+    *mut usize,
+) -> sys::CUresult;
+type CaptureInfoV2 = unsafe extern "C" fn(
+    sys::CUstream,
+    *mut sys::CUstreamCaptureStatus,
+    *mut u64,
+    *mut sys::CUgraph,
+    *mut *const sys::CUgraphNode,
+    *mut usize,
+) -> sys::CUresult;
+
+#[derive(Clone, Copy)]
+enum CaptureInfoFn {
+    V3(CaptureInfoV3),
+    V2(CaptureInfoV2),
+}
+
+/// The library stays loaded for the process: the function pointer is only
+/// valid while it is.
+struct CaptureInfo {
+    _lib: libloading::Library,
+    f: CaptureInfoFn,
+}
+
+static CAPTURE_INFO: OnceLock<Option<CaptureInfo>> = OnceLock::new();
+
+fn load_capture_info() -> Option<CaptureInfo> {
+    let lib = open_driver_library()?;
+    // SAFETY: the symbols have exactly these C signatures in cuda.h
+    // (`cuStreamGetCaptureInfo_v3` since CUDA 12.3, `_v2` since 11.3); the
+    // pointers are used only while `lib` (kept beside them) is loaded.
+    let f = unsafe {
+        if let Ok(sym) = lib.get::<CaptureInfoV3>(b"cuStreamGetCaptureInfo_v3") {
+            CaptureInfoFn::V3(*sym)
+        } else if let Ok(sym) = lib.get::<CaptureInfoV2>(b"cuStreamGetCaptureInfo_v2") {
+            CaptureInfoFn::V2(*sym)
+        } else {
+            return None;
+        }
+    };
+    Some(CaptureInfo { _lib: lib, f })
+}
+
+/// Capture status and id of a raw stream. `None` when the driver exports
+/// no form of `cuStreamGetCaptureInfo`.
+///
+/// # Safety
+/// `stream` must be a live stream of the current context (or a special
+/// stream handle).
+pub(crate) unsafe fn capture_info(
+    stream: sys::CUstream,
+) -> Option<(sys::CUresult, sys::CUstreamCaptureStatus, u64)> {
+    let info = CAPTURE_INFO.get_or_init(load_capture_info).as_ref()?;
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    let mut id = 0u64;
+    // SAFETY: valid out pointers for status and id; the optional outputs
+    // are null, which the driver accepts; the caller vouches for `stream`.
+    let r = unsafe {
+        match info.f {
+            CaptureInfoFn::V3(f) => f(
+                stream,
+                &mut status,
+                &mut id,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            ),
+            CaptureInfoFn::V2(f) => f(
+                stream,
+                &mut status,
+                &mut id,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            ),
+        }
+    };
+    Some((r, status, id))
+}
+
+/// The capture rule a driver error code reports, if it is one.
+pub(crate) fn capture_rule(r: sys::CUresult) -> Option<&'static str> {
+    use sys::CUresult as R;
+    Some(match r {
+        R::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED => {
+            "the operation is not permitted while the stream is capturing"
+        }
+        R::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED => {
+            "the capture was invalidated by an earlier refused call"
+        }
+        R::CUDA_ERROR_STREAM_CAPTURE_MERGE => "two independent captures would be merged",
+        R::CUDA_ERROR_STREAM_CAPTURE_UNMATCHED => "the capture was not begun on this stream",
+        R::CUDA_ERROR_STREAM_CAPTURE_UNJOINED => {
+            "a stream forked from the capture was not joined back into it"
+        }
+        R::CUDA_ERROR_STREAM_CAPTURE_ISOLATION => "a dependency would cross the capture boundary",
+        R::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT => {
+            "the legacy default stream would depend on a capturing stream"
+        }
+        R::CUDA_ERROR_CAPTURED_EVENT => "the event was last recorded in a capturing stream",
+        R::CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD => {
+            "the capture was begun in relaxed or thread-local mode on another thread"
+        }
+        _ => return None,
+    })
+}
+
+/// Like [`check`], but a capture rule becomes `SysError::CaptureViolation`.
+pub(crate) fn check_capture(op: Op, r: sys::CUresult) -> SysResult<()> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    match capture_rule(r) {
+        Some(rule) => Err(SysError::CaptureViolation {
+            op,
+            reason: format!("{rule} ({})", error_name(r)),
+        }),
+        None => Err(driver_error(op, r)),
     }
 }

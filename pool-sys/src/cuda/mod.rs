@@ -24,15 +24,15 @@ pub use baseline::{mem_alloc, mem_free, DriverPool};
 pub use module::{CudaFunction, CudaModule, KernelArg};
 
 use crate::device::{
-    Access, AccessDesc, Device, DevicePtr, Event, HostTask, MemInfo, Physical, PhysicalOptions,
-    Stream,
+    Access, AccessDesc, CaptureMode, CaptureStatus, Device, DevicePtr, Event, Graph, GraphExec,
+    GraphOptions, HostTask, MemInfo, Physical, PhysicalOptions, Stream,
 };
 use crate::error::{Op, SysError, SysResult};
 use crate::validate::{
     check_granular, check_size, invalid, lookup, missing_stream, remove, stream_id,
 };
 use cudarc::driver::sys;
-use driver::{check, check_sized, driver_error, warn_drop, Ctx};
+use driver::{check, check_capture, check_sized, driver_error, warn_drop, Ctx};
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
 use std::os::fd::{FromRawFd, IntoRawFd, OwnedFd};
@@ -140,6 +140,51 @@ impl Drop for PhysObj {
     }
 }
 
+/// A graph from `end_capture`, destroyed on drop.
+struct GraphObj {
+    raw: sys::CUgraph,
+    ctx: Arc<Ctx>,
+}
+
+// SAFETY: a CUgraph is a driver handle usable from any thread; the driver
+// does not synchronise calls on one graph, and this object only destroys it.
+unsafe impl Send for GraphObj {}
+// SAFETY: as above; immutable after construction.
+unsafe impl Sync for GraphObj {}
+
+impl Drop for GraphObj {
+    fn drop(&mut self) {
+        if self.ctx.bind_in_drop("a graph") {
+            // SAFETY: we got this graph from cuStreamEndCapture and destroy it once.
+            warn_drop("cuGraphDestroy", unsafe { sys::cuGraphDestroy(self.raw) });
+        }
+    }
+}
+
+/// An executable graph, destroyed on drop.
+struct ExecObj {
+    raw: sys::CUgraphExec,
+    ctx: Arc<Ctx>,
+}
+
+// SAFETY: a CUgraphExec is a driver handle usable from any thread; the
+// driver serialises launches of one executable graph itself.
+unsafe impl Send for ExecObj {}
+// SAFETY: as above; immutable after construction.
+unsafe impl Sync for ExecObj {}
+
+impl Drop for ExecObj {
+    fn drop(&mut self) {
+        if self.ctx.bind_in_drop("an executable graph") {
+            // SAFETY: we instantiated this executable graph and destroy it once;
+            // launches already issued still complete.
+            warn_drop("cuGraphExecDestroy", unsafe {
+                sys::cuGraphExecDestroy(self.raw)
+            });
+        }
+    }
+}
+
 /// Reservations and mappings, kept to reject what the driver would not
 /// check (or would check with a less helpful error).
 #[derive(Default)]
@@ -196,6 +241,8 @@ pub(crate) struct Inner {
     streams: RwLock<HashMap<u64, Arc<StreamObj>>>,
     events: RwLock<HashMap<u64, Arc<EventObj>>>,
     physical: RwLock<HashMap<u64, Arc<PhysObj>>>,
+    graphs: RwLock<HashMap<u64, Arc<GraphObj>>>,
+    execs: RwLock<HashMap<u64, Arc<ExecObj>>>,
     vm: Mutex<VmState>,
 }
 
@@ -339,6 +386,8 @@ impl CudaDevice {
                 streams: RwLock::new(streams),
                 events: RwLock::new(HashMap::new()),
                 physical: RwLock::new(HashMap::new()),
+                graphs: RwLock::new(HashMap::new()),
+                execs: RwLock::new(HashMap::new()),
                 vm: Mutex::new(VmState::default()),
             }),
         })
@@ -904,6 +953,14 @@ impl Device for CudaDevice {
     fn launch_host(&self, stream: Stream, task: HostTask) -> SysResult<()> {
         let op = Op::LaunchHost;
         self.bind(op)?;
+        // A captured host node runs once per launch, but the trampoline
+        // frees its task on the first call: never let one be captured.
+        if self.capture_status(stream)?.is_capturing() {
+            return Err(SysError::CaptureViolation {
+                op,
+                reason: "a one-shot host task cannot be captured into a graph".into(),
+            });
+        }
         self.with_stream(op, stream, move |raw| {
             let data = Box::into_raw(Box::new(task)).cast::<c_void>();
             // SAFETY: the trampoline takes ownership of `data` when called;
@@ -917,6 +974,161 @@ impl Device for CudaDevice {
             }
             Ok(())
         })
+    }
+
+    // --- graph capture ---
+
+    fn capture_status(&self, stream: Stream) -> SysResult<CaptureStatus> {
+        // Like `is_capturing`: the context is bound only for the legacy
+        // NULL stream, or when the driver asks for one.
+        let op = Op::CaptureStatus;
+        let ask = |raw: sys::CUstream| {
+            // SAFETY: the stream is live (with_stream).
+            unsafe { driver::capture_info(raw) }.ok_or_else(|| SysError::Unsupported {
+                op,
+                reason:
+                    "the driver exports no cuStreamGetCaptureInfo (driver older than CUDA 11.3)"
+                        .into(),
+            })
+        };
+        self.with_stream(op, stream, |raw| {
+            let (mut r, mut status, mut id) = if raw.is_null() {
+                (
+                    sys::CUresult::CUDA_ERROR_INVALID_CONTEXT,
+                    sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE,
+                    0,
+                )
+            } else {
+                ask(raw)?
+            };
+            if r == sys::CUresult::CUDA_ERROR_INVALID_CONTEXT {
+                self.bind(op)?;
+                (r, status, id) = ask(raw)?;
+            }
+            check_capture(op, r)?;
+            use sys::CUstreamCaptureStatus as S;
+            Ok(match status {
+                S::CU_STREAM_CAPTURE_STATUS_NONE => CaptureStatus::None,
+                S::CU_STREAM_CAPTURE_STATUS_ACTIVE => CaptureStatus::Active { id },
+                S::CU_STREAM_CAPTURE_STATUS_INVALIDATED => CaptureStatus::Invalidated { id },
+            })
+        })
+    }
+
+    fn graph_alloc(&self, stream: Stream, size: usize) -> SysResult<DevicePtr> {
+        let op = Op::GraphAlloc;
+        if size == 0 {
+            return Err(invalid(op, "size 0"));
+        }
+        self.bind(op)?;
+        self.with_stream(op, stream, |raw| {
+            let mut ptr: sys::CUdeviceptr = 0;
+            // SAFETY: valid out pointer; the stream is live; the context is current.
+            let r = unsafe { sys::cuMemAllocAsync(&mut ptr, size, raw) };
+            if r == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+                check_sized(op, r, size)?;
+            }
+            check_capture(op, r)?;
+            Ok(ptr)
+        })
+    }
+
+    fn graph_free(&self, stream: Stream, ptr: DevicePtr) -> SysResult<()> {
+        let op = Op::GraphFree;
+        self.bind(op)?;
+        self.with_stream(op, stream, |raw| {
+            // SAFETY: the stream is live; the driver checks that `ptr` came
+            // from a stream-ordered or graph allocation.
+            check_capture(op, unsafe { sys::cuMemFreeAsync(ptr, raw) })
+        })
+    }
+
+    fn begin_capture(&self, stream: Stream, mode: CaptureMode) -> SysResult<()> {
+        let op = Op::Graph;
+        self.bind(op)?;
+        let mode = match mode {
+            CaptureMode::Global => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
+            CaptureMode::ThreadLocal => {
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+            }
+            CaptureMode::Relaxed => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+        };
+        self.with_stream(op, stream, |raw| {
+            if raw.is_null() {
+                return Err(invalid(op, "the legacy default stream cannot be captured"));
+            }
+            // SAFETY: the stream is live; the context is current.
+            check_capture(op, unsafe { sys::cuStreamBeginCapture_v2(raw, mode) })
+        })
+    }
+
+    fn end_capture(&self, stream: Stream) -> SysResult<Graph> {
+        let op = Op::Graph;
+        self.bind(op)?;
+        let raw_graph = self.with_stream(op, stream, |raw| {
+            let mut graph: sys::CUgraph = std::ptr::null_mut();
+            // SAFETY: the stream is live; valid out pointer.
+            check_capture(op, unsafe { sys::cuStreamEndCapture(raw, &mut graph) })?;
+            Ok(graph)
+        })?;
+        let obj = Arc::new(GraphObj {
+            raw: raw_graph,
+            ctx: self.inner.ctx.clone(),
+        });
+        let id = self.new_id();
+        self.inner
+            .graphs
+            .write()
+            .unwrap_or_else(poisoned)
+            .insert(id, obj);
+        Ok(Graph(id))
+    }
+
+    fn instantiate_graph(&self, graph: Graph, options: GraphOptions) -> SysResult<GraphExec> {
+        let op = Op::Graph;
+        let g = lookup(&self.inner.graphs, op, "graph", graph.0)?;
+        self.bind(op)?;
+        // CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH (its binding's
+        // type differs between CUDA versions; the value does not).
+        let flags = if options.auto_free_on_launch { 1u64 } else { 0 };
+        let mut raw: sys::CUgraphExec = std::ptr::null_mut();
+        // SAFETY: the graph is live while we hold `g`; valid out pointer.
+        check_capture(op, unsafe {
+            sys::cuGraphInstantiateWithFlags(&mut raw, g.raw, flags)
+        })?;
+        let obj = Arc::new(ExecObj {
+            raw,
+            ctx: self.inner.ctx.clone(),
+        });
+        let id = self.new_id();
+        self.inner
+            .execs
+            .write()
+            .unwrap_or_else(poisoned)
+            .insert(id, obj);
+        Ok(GraphExec(id))
+    }
+
+    fn launch_graph(&self, exec: GraphExec, stream: Stream) -> SysResult<()> {
+        let op = Op::Graph;
+        let e = lookup(&self.inner.execs, op, "executable graph", exec.0)?;
+        self.bind(op)?;
+        self.with_stream(op, stream, |raw| {
+            // SAFETY: the executable graph (held by `e`) and the stream are live.
+            check_capture(op, unsafe { sys::cuGraphLaunch(e.raw, raw) })
+        })
+    }
+
+    fn destroy_graph(&self, graph: Graph) -> SysResult<()> {
+        let obj = remove(&self.inner.graphs, Op::Graph, "graph", graph.0)?;
+        drop(obj);
+        Ok(())
+    }
+
+    fn destroy_graph_exec(&self, exec: GraphExec) -> SysResult<()> {
+        let obj = remove(&self.inner.execs, Op::Graph, "executable graph", exec.0)?;
+        drop(obj);
+        Ok(())
     }
 
     // --- sharing (see `cuda/share.rs`) ---
