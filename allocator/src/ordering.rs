@@ -789,6 +789,50 @@ impl<D: Device> StreamOrder<D> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tidepool_sys::{FaultInjector, HostConfig, HostDevice, Op};
+
+    /// A failed record leaves the epoch open (its frees stay uncovered, so
+    /// a later pass records again) and gives the event back: the next
+    /// record reuses it instead of creating another (no event leaks).
+    #[test]
+    #[cfg(not(loom))]
+    fn record_closing_gives_the_event_back_when_the_record_fails() {
+        let dev = Arc::new(FaultInjector::new(HostDevice::with_config(HostConfig {
+            capacity: 8 << 20,
+            granularity: 2 << 20,
+        })));
+        let order = StreamOrder::new(1, dev.clone());
+        let s = dev.create_stream().unwrap();
+        let entry = order.entry(s).unwrap();
+        let mut st = lock(&entry.state);
+        st.frees_in_epoch = true;
+        dev.fail_nth(
+            Op::RecordEvent,
+            1,
+            SysError::Injected {
+                op: Op::RecordEvent,
+                call: 1,
+            },
+        );
+        let created = dev.calls(Op::CreateEvent);
+        assert!(matches!(
+            order.record_closing(&mut st),
+            Err(RecordFailure::Record(_))
+        ));
+        assert_eq!((st.epoch, st.frees_in_epoch), (1, true), "epoch left open");
+        assert!(st.recorded.is_empty());
+        let rec = order
+            .record_closing(&mut st)
+            .expect("the second record works");
+        assert_eq!(rec.epoch, 1);
+        assert_eq!((st.epoch, st.frees_in_epoch), (2, false));
+        assert_eq!(
+            dev.calls(Op::CreateEvent),
+            created + 1,
+            "the event of the failed record was reused"
+        );
+        dev.synchronize_stream(s).unwrap();
+    }
 
     #[test]
     fn vector_clock_merge_takes_maximum_per_stream() {
