@@ -159,22 +159,22 @@ struct PageSlot {
 }
 
 #[derive(Debug)]
-pub(crate) struct PhysPage {
-    pub handle: Physical,
+struct PhysPage {
+    handle: Physical,
     /// The page where this physical page is active, if any.
-    pub owner: Option<usize>,
+    owner: Option<usize>,
     /// Every page where it is mapped at the driver level (active or ghost).
-    pub mappings: Vec<usize>,
+    mappings: Vec<usize>,
 }
 
 /// Bookkeeping of one virtual reservation.
 #[derive(Debug)]
 pub(crate) struct Arena {
-    pub page: usize,
+    page: usize,
     pages: Vec<PageSlot>,
-    pub phys: Slab<PhysPage>,
+    phys: Slab<PhysPage>,
     /// Physical pages active nowhere (they may still have ghost mappings).
-    pub spare: Vec<usize>,
+    spare: Vec<usize>,
     free: BTreeMap<usize, FreeRange>,
     by_size: BTreeSet<(usize, usize)>,
     holes: BTreeMap<usize, usize>,
@@ -184,12 +184,12 @@ pub(crate) struct Arena {
     mapped: PageSet,
     /// Reused by `settle` (no allocation per call).
     settle_scratch: Vec<(usize, FreeRange, Guard)>,
-    pub reserved: u64,
-    pub reserved_high: u64,
-    pub growths: u64,
-    pub releases: u64,
-    pub remaps: u64,
-    pub rebinds: u64,
+    reserved: u64,
+    reserved_high: u64,
+    growths: u64,
+    releases: u64,
+    remaps: u64,
+    rebinds: u64,
 }
 
 impl Arena {
@@ -215,6 +215,135 @@ impl Arena {
             remaps: 0,
             rebinds: 0,
         }
+    }
+
+    // ----- physical pages and counters -----
+    //
+    // The arena only keeps the books: the driver calls that these entries
+    // describe are made by the page mapper, which reports each one here.
+
+    /// Bytes of one page (the unit of mapping and of physical memory).
+    pub fn page(&self) -> usize {
+        self.page
+    }
+
+    /// A new physical page, active nowhere and mapped nowhere yet, was
+    /// created by the driver: it counts as reserved from now on. Returns
+    /// its index.
+    pub fn add_phys(&mut self, handle: Physical) -> usize {
+        let i = self.phys.insert(PhysPage {
+            handle,
+            owner: None,
+            mappings: Vec::new(),
+        });
+        self.reserved += self.page as u64;
+        self.reserved_high = self.reserved_high.max(self.reserved);
+        self.growths += 1;
+        i
+    }
+
+    /// Physical page `i`, mapped nowhere any more, was released to the
+    /// driver.
+    pub fn remove_phys(&mut self, i: usize) {
+        debug_assert!(self.phys[i].mappings.is_empty(), "releasing a mapped page");
+        self.phys.remove(i);
+        self.reserved -= self.page as u64;
+        self.releases += 1;
+    }
+
+    /// The driver handle of physical page `i`.
+    pub fn handle(&self, i: usize) -> Physical {
+        self.phys[i].handle
+    }
+
+    /// The page where physical page `i` is active, if any.
+    pub fn owner(&self, i: usize) -> Option<usize> {
+        self.phys[i].owner
+    }
+
+    /// Every page where physical page `i` is mapped (active or ghost),
+    /// oldest mapping first.
+    pub fn mappings(&self, i: usize) -> &[usize] {
+        &self.phys[i].mappings
+    }
+
+    /// Every physical page: (index, handle, pages where it is mapped).
+    pub fn phys_pages(&self) -> impl Iterator<Item = (usize, Physical, &[usize])> + '_ {
+        self.phys
+            .iter()
+            .map(|(i, ph)| (i, ph.handle, ph.mappings.as_slice()))
+    }
+
+    /// Forget every physical page at once (the pool is going away and has
+    /// unmapped and released them all).
+    pub fn clear_phys(&mut self) {
+        self.phys.clear();
+        self.spare.clear();
+    }
+
+    /// Physical pages active nowhere.
+    pub fn spare_len(&self) -> usize {
+        self.spare.len()
+    }
+
+    /// Take a physical page that is active nowhere.
+    pub fn pop_spare(&mut self) -> Option<usize> {
+        self.spare.pop()
+    }
+
+    /// Physical page `i` is active nowhere (and no longer counted elsewhere).
+    pub fn push_spare(&mut self, i: usize) {
+        self.spare.push(i);
+    }
+
+    /// Physical page `i` leaves the spare list (it becomes active again).
+    pub fn unspare(&mut self, i: usize) {
+        self.spare.retain(|&j| j != i);
+    }
+
+    /// Bytes of physical memory held now.
+    pub fn reserved(&self) -> u64 {
+        self.reserved
+    }
+
+    /// Highest [`Arena::reserved`] since creation or the last reset.
+    pub fn reserved_high(&self) -> u64 {
+        self.reserved_high
+    }
+
+    /// Start the high-water mark again from the current value.
+    pub fn reset_reserved_high(&mut self) {
+        self.reserved_high = self.reserved;
+    }
+
+    /// Physical pages created.
+    pub fn growths(&self) -> u64 {
+        self.growths
+    }
+
+    /// Physical pages released.
+    pub fn releases(&self) -> u64 {
+        self.releases
+    }
+
+    /// Pages mapped by a driver call to serve a request.
+    pub fn remaps(&self) -> u64 {
+        self.remaps
+    }
+
+    /// Pages whose ghost mapping came back with no driver call.
+    pub fn rebinds(&self) -> u64 {
+        self.rebinds
+    }
+
+    /// Count a page mapped by a driver call for a request.
+    pub fn count_remap(&mut self) {
+        self.remaps += 1;
+    }
+
+    /// Count a ghost mapping reactivated with no driver call.
+    pub fn count_rebind(&mut self) {
+        self.rebinds += 1;
     }
 
     // ----- free ranges -----

@@ -52,8 +52,8 @@
 //! allocates from the pool.
 
 use crate::error::PoolError;
+use crate::pool::default_pool;
 use crate::pool::{Allocation, MemPool};
-use crate::registry::default_pool;
 use ::cudarc::driver::{
     sys, CudaContext, CudaSlice, CudaStream, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr,
     DeviceSlice, DriverError, HostSlice, LaunchArgs, PushKernelArg, SyncOnDrop, ValidAsZeroBits,

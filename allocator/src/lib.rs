@@ -66,20 +66,23 @@ mod config;
 #[cfg(all(feature = "cudarc", not(loom)))]
 pub mod cudarc;
 mod error;
-mod order;
+mod ordering;
+mod pages;
+mod placement;
 mod policy;
 mod pool;
 mod raw;
 mod registry;
 pub mod share;
+mod share_state;
 mod stats;
 pub(crate) mod sync;
 
 pub use config::{PoolConfig, ReusePolicy};
 pub use error::{OomReport, PoolError};
-pub use pool::{Allocation, FreeError, MemPool, PoolEvent, ALIGNMENT};
 #[cfg(not(loom))]
-pub use registry::default_pool;
+pub use pool::default_pool;
+pub use pool::{Allocation, FreeError, MemPool, PoolEvent, ALIGNMENT};
 pub use share::{ExportedAllocation, ImportedAllocation};
 pub use stats::PoolStats;
 pub use tidepool_sys::{Access, Device, DevicePtr, Stream};

@@ -1,16 +1,26 @@
-//! The public pool: `MemPool`, its allocations and events.
+//! The public pool: `MemPool`, its allocations and events, the public
+//! calls, and the fast path (a free into the stream's own cache, an
+//! allocation out of it). Everything slower goes down a layer: the reuse
+//! decision to `policy`, page mapping to `pages`, events and what is known
+//! complete to `ordering`. Nothing below calls back up here: the registry
+//! reaches the pool through its `CacheHolder` trait, the raw-pointer table
+//! is generic over the handle it keeps.
 
 use crate::arena::{Arena, Guard};
 use crate::config::{PoolConfig, ReusePolicy};
 use crate::error::PoolError;
-use crate::order::{EventRecord, EventSink, StreamState};
-use crate::policy::ArenaState;
-use crate::raw::RawTable;
+use crate::ordering::{CachedBlock, EventRecord, Reach, StreamEntry, StreamOrder};
+use crate::pages::Pages;
+use crate::placement::ArenaState;
+use crate::raw::{RawSize, RawTable};
+use crate::registry::CacheHolder;
+#[cfg(not(loom))]
+use crate::registry::PoolRecord;
+use crate::share_state::ShareState;
 use crate::stats::{Counters, PoolStats};
-use crate::sync::{lock, Arc, AtomicBool, AtomicU64, Mutex, Ordering, RwLock};
-use std::collections::HashMap;
+use crate::sync::{lock, Arc, AtomicBool, AtomicU64, Mutex, Ordering};
 use std::fmt;
-use tidepool_sys::{Device, DevicePtr, Event, Stream, SysError, SysResult};
+use tidepool_sys::{Device, DevicePtr, Event, Stream, SysError};
 
 /// Alignment of every pointer the pool hands out (CUDA guarantees 256).
 pub const ALIGNMENT: usize = 512;
@@ -123,127 +133,25 @@ impl fmt::Debug for PoolEvent {
     }
 }
 
-/// Recycles the pool's device events (an event create+destroy costs about
-/// as much as a record).
-pub(crate) struct EventRecycler<D: Device> {
-    device: Arc<D>,
-    free: Mutex<Vec<Event>>,
-}
-
-impl<D: Device> EventRecycler<D> {
-    pub fn acquire(&self) -> SysResult<Event> {
-        if let Some(e) = lock(&self.free).pop() {
-            return Ok(e);
-        }
-        self.device.create_event()
-    }
-}
-
-impl<D: Device> EventSink for EventRecycler<D> {
-    fn release(&self, event: Event) {
-        let mut free = lock(&self.free);
-        if free.len() < 256 {
-            free.push(event);
-            return;
-        }
-        drop(free);
-        if let Err(e) = self.device.destroy_event(event) {
-            tracing::warn!(error = %e, "destroying a pool event failed");
-        }
-    }
-}
-
-impl<D: Device> Drop for EventRecycler<D> {
-    fn drop(&mut self) {
-        for e in lock(&self.free).drain(..) {
-            if let Err(err) = self.device.destroy_event(e) {
-                tracing::warn!(error = %err, "destroying a pool event failed");
-            }
-        }
-    }
-}
-
-pub(crate) struct StreamEntry {
-    pub state: Mutex<StreamState>,
-}
-
-/// The last few stream entries this thread used, keyed by pool id and stream
-/// id (both never reused, and entries are never removed from a pool, so a
-/// hit is always the right entry). Spares the hot path the stream table's
-/// shared lock and hashing. An entry of a dropped pool lingers here until
-/// evicted; it holds no device resources by then (the pool's drop drained
-/// its events).
-#[cfg(not(loom))]
-mod recent_entries {
-    use super::StreamEntry;
-    use std::cell::RefCell;
-    use std::sync::Arc;
-
-    const SLOTS: usize = 4;
-
-    type Slot = (u64, u64, Arc<StreamEntry>);
-
-    thread_local! {
-        static RECENT: RefCell<Vec<Slot>> = const { RefCell::new(Vec::new()) };
-    }
-
-    pub(super) fn get(pool: u64, stream: u64) -> Option<Arc<StreamEntry>> {
-        RECENT
-            .try_with(|r| {
-                r.try_borrow()
-                    .ok()?
-                    .iter()
-                    .find(|(p, s, _)| *p == pool && *s == stream)
-                    .map(|(_, _, e)| e.clone())
-            })
-            .ok()
-            .flatten()
-    }
-
-    /// Run `f` on the entry if this thread has it, without touching its
-    /// reference count (the allocation fast path). `f` must not block.
-    pub(super) fn with<R>(pool: u64, stream: u64, f: impl FnOnce(&StreamEntry) -> R) -> Option<R> {
-        RECENT
-            .try_with(|r| {
-                let r = r.try_borrow().ok()?;
-                let (_, _, e) = r.iter().find(|(p, s, _)| *p == pool && *s == stream)?;
-                Some(f(e))
-            })
-            .ok()
-            .flatten()
-    }
-
-    pub(super) fn put(pool: u64, stream: u64, entry: &Arc<StreamEntry>) {
-        let _ = RECENT.try_with(|r| {
-            let Ok(mut r) = r.try_borrow_mut() else {
-                return;
-            };
-            if r.len() == SLOTS {
-                r.remove(0);
-            }
-            r.push((pool, stream, entry.clone()));
-        });
-    }
-}
-
 pub(crate) struct PoolInner<D: Device> {
     pub id: u64,
     pub device: Arc<D>,
     pub base: DevicePtr,
     pub va_size: usize,
     pub config: PoolConfig,
-    /// Peer access list, exports and imports (see `share.rs`).
-    pub share: crate::share::ShareState,
+    /// Peer access list, exports and imports.
+    pub share: ShareState,
     follow: AtomicBool,
     opportunistic: AtomicBool,
     internal: AtomicBool,
     wait_pending: AtomicBool,
     release_threshold: AtomicU64,
+    /// The arena and what is known complete, under one lock.
     pub arena: Mutex<ArenaState>,
-    pub streams: RwLock<HashMap<u64, Arc<StreamEntry>>>,
+    /// The stream table, events and completion.
+    pub order: StreamOrder<D>,
     pub counters: Counters,
-    pub events: Arc<EventRecycler<D>>,
-    pub raw: RawTable,
+    pub raw: RawTable<Allocation>,
 }
 
 /// A stream-ordered memory pool over a [`Device`].
@@ -313,7 +221,7 @@ impl<D: Device> MemPool<D> {
             })?
         };
         // Peer devices are checked before anything is reserved.
-        let access = crate::share::initial_access(&*device, &config.peer_devices)?;
+        let access = crate::share_state::initial_access(&*device, &config.peer_devices)?;
         let base = device.reserve_va(va_size, page)?;
         let id = NEXT_POOL_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let reuse = config.reuse;
@@ -321,24 +229,32 @@ impl<D: Device> MemPool<D> {
             id,
             base,
             va_size,
-            share: crate::share::ShareState::new(access),
+            share: ShareState::new(access),
             follow: AtomicBool::new(reuse.follow_event_dependencies),
             opportunistic: AtomicBool::new(reuse.opportunistic),
             internal: AtomicBool::new(reuse.internal_dependencies),
             wait_pending: AtomicBool::new(reuse.wait_for_pending_frees),
             release_threshold: AtomicU64::new(config.release_threshold),
             arena: Mutex::new(ArenaState::new(Arena::new(va_size, page))),
-            streams: RwLock::new(HashMap::new()),
+            order: StreamOrder::new(id, device.clone()),
             counters: Counters::default(),
-            events: Arc::new(EventRecycler {
-                device: device.clone(),
-                free: Mutex::new(Vec::new()),
-            }),
             raw: RawTable::default(),
             device,
             config,
         });
-        crate::registry::register(&inner);
+        // loom models run one pool alone (and loom's `Arc` cannot become a
+        // trait object): the registry only knows pools outside them.
+        #[cfg(not(loom))]
+        {
+            let holder: Arc<dyn CacheHolder> = inner.clone();
+            crate::registry::register(PoolRecord {
+                id,
+                base,
+                size: va_size as u64,
+                device_key: device_key(&inner.device),
+                holder: Arc::downgrade(&holder),
+            });
+        }
         tracing::debug!(pool = id, base, va_size, page, "pool created");
         Ok(MemPool { inner })
     }
@@ -433,24 +349,28 @@ impl<D: Device> MemPool<D> {
             uses: Vec::new(),
         };
         // Fast path: a same-size block from the stream's own cache.
-        let cached = inner.with_recent_entry(stream, |e| inner.take_cached(e, stream, size, len));
+        let cached = inner
+            .order
+            .with_recent_entry(stream, |e| inner.take_cached(e, stream, size, len));
         let looked = cached.is_some();
         if let Some(hit) = cached {
             if let Some(offset) = hit? {
                 return Ok(alloc_at(offset));
             }
         }
-        let entry = inner.entry(stream)?;
+        let entry = inner.order.entry(stream)?;
         if !looked {
             if let Some(offset) = inner.take_cached(&entry, stream, size, len)? {
                 return Ok(alloc_at(offset));
             }
         }
-        let offset = match inner.acquire(len, stream, &entry) {
+        let offset = match crate::policy::acquire(inner.parts(), len, stream, &entry, inner.reuse())
+        {
             Ok(off) => off,
             Err(mut e) => {
                 if let PoolError::OutOfMemory(report) = &mut e {
                     report.requested = size;
+                    report.used = inner.used_current();
                 }
                 if e.is_out_of_memory() {
                     Counters::bump(&inner.counters.ooms);
@@ -526,7 +446,7 @@ impl<D: Device> MemPool<D> {
             if user == stream {
                 continue;
             }
-            if inner.reach(user) == Reach::Gone {
+            if inner.order.reach(user) == Reach::Gone {
                 gone_user = Some(user);
                 continue;
             }
@@ -559,10 +479,12 @@ impl<D: Device> MemPool<D> {
             return Ok(());
         }
         let stashed = match inner
+            .order
             .with_recent_entry(stream, |e| inner.stash_free(e, stream, offset, len, size))
         {
             Some(r) => r,
             None => inner
+                .order
                 .entry(stream)
                 .and_then(|e| inner.stash_free(&e, stream, offset, len, size)),
         };
@@ -633,15 +555,8 @@ impl<D: Device> MemPool<D> {
     /// Record an event on `stream` through the pool.
     pub fn record_event(&self, stream: Stream) -> Result<PoolEvent, PoolError> {
         let inner = &*self.inner;
-        let entry = inner.entry(stream)?;
-        let event = inner.events.acquire()?;
-        let mut st = lock(&entry.state);
-        if let Err(e) = inner.device.record_event(event, stream) {
-            drop(st);
-            inner.events.release(event);
-            return Err(e.into());
-        }
-        let record = st.close_epoch(event, inner.events.clone());
+        let entry = inner.order.entry(stream)?;
+        let record = inner.order.record_closing(&mut lock(&entry.state))?;
         Ok(PoolEvent {
             record,
             pool: inner.id,
@@ -653,7 +568,7 @@ impl<D: Device> MemPool<D> {
     /// becomes reusable on `stream` with no further synchronisation.
     pub fn wait_event(&self, stream: Stream, event: &PoolEvent) -> Result<(), PoolError> {
         let inner = &*self.inner;
-        let entry = inner.entry(stream)?;
+        let entry = inner.order.entry(stream)?;
         inner.device.wait_event(stream, event.record.event)?;
         if event.pool == inner.id {
             lock(&entry.state).clock.merge(&event.record.clock);
@@ -665,7 +580,7 @@ impl<D: Device> MemPool<D> {
     /// the release threshold.
     pub fn synchronize_stream(&self, stream: Stream) -> Result<(), PoolError> {
         let inner = &*self.inner;
-        let entry = inner.entry(stream)?;
+        let entry = inner.order.entry(stream)?;
         let epoch = lock(&entry.state).close_epoch_synced();
         inner.device.synchronize_stream(stream)?;
         inner.mark_synced(stream.id(), epoch);
@@ -686,14 +601,14 @@ impl<D: Device> MemPool<D> {
     /// down to the threshold.
     pub fn synchronize(&self) -> Result<(), PoolError> {
         let inner = &*self.inner;
-        for (id, entry) in inner.all_streams() {
+        for (id, entry) in inner.order.all_streams() {
             let stream = lock(&entry.state).stream;
             if lock(&entry.state).retired {
                 continue;
             }
             // A stream whose state cannot be learned is an error: returning
             // Ok would claim a wait that did not happen.
-            match inner.reach_checked(stream)? {
+            match inner.order.reach_checked(stream)? {
                 Reach::Live => {
                     let epoch = lock(&entry.state).close_epoch_synced();
                     inner.device.synchronize_stream(stream)?;
@@ -746,17 +661,17 @@ impl<D: Device> MemPool<D> {
         let (streams, used_current, used_high) = inner.counts();
         let st = lock(&inner.arena);
         PoolStats {
-            reserved_current: st.arena.reserved,
-            reserved_high: st.arena.reserved_high,
+            reserved_current: st.arena.reserved(),
+            reserved_high: st.arena.reserved_high(),
             used_current,
             used_high,
             allocs: streams.allocs + c.zero_allocs.load(Ordering::Relaxed),
             frees: streams.frees + c.zero_frees.load(Ordering::Relaxed),
             cache_hits: streams.cache_hits,
-            growths: st.arena.growths,
-            releases: st.arena.releases,
-            remaps: st.arena.remaps,
-            rebinds: st.arena.rebinds,
+            growths: st.arena.growths(),
+            releases: st.arena.releases(),
+            remaps: st.arena.remaps(),
+            rebinds: st.arena.rebinds(),
             internal_dependencies: c.internal_dependencies.load(Ordering::Relaxed),
             ooms: c.ooms.load(Ordering::Relaxed),
         }
@@ -772,7 +687,7 @@ impl<D: Device> MemPool<D> {
             ledger.unassigned = 0;
         }
         let mut st = lock(&inner.arena);
-        st.arena.reserved_high = st.arena.reserved;
+        st.arena.reset_reserved_high();
     }
 
     /// The reuse switches in force.
@@ -812,7 +727,7 @@ impl<D: Device> MemPool<D> {
     /// the stream's work; allocating or freeing on it afterwards is an error.
     pub fn retire_stream(&self, stream: Stream) -> Result<(), PoolError> {
         let inner = &*self.inner;
-        let entry = inner.entry(stream)?;
+        let entry = inner.order.entry(stream)?;
         let (drained, orphaned) = {
             let mut st = lock(&entry.state);
             if st.retired {
@@ -825,18 +740,9 @@ impl<D: Device> MemPool<D> {
             if st.frees_in_epoch {
                 // State unknown: retiring anyway would strand the frees under
                 // an epoch nothing closes; the caller may retry.
-                match inner.reach_checked(stream)? {
+                match inner.order.reach_checked(stream)? {
                     Reach::Live => {
-                        let event = inner.events.acquire()?;
-                        match inner.device.record_event(event, stream) {
-                            Ok(()) => {
-                                st.close_epoch(event, inner.events.clone());
-                            }
-                            Err(e) => {
-                                crate::order::EventSink::release(&*inner.events, event);
-                                return Err(e.into());
-                            }
-                        }
+                        inner.order.record_closing(&mut st)?;
                     }
                     Reach::Gone => st.close_epoch_orphaned(),
                     Reach::Untouchable => {}
@@ -865,33 +771,91 @@ impl<D: Device> MemPool<D> {
     }
 }
 
-/// What the pool may still do with a stream's driver handle.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Reach {
-    /// Record events on it, synchronise it.
-    Live,
-    /// Destroyed (without `retire_stream` first): work it had queued still
-    /// runs, but only a device-wide synchronisation can wait for it.
-    Gone,
-    /// Being captured into a graph, or its state cannot be learned: touching
-    /// it could break a capture, so the pool leaves it alone.
-    Untouchable,
-}
+/// The raw-pointer API for foreign callers (the C ABI): pointers instead
+/// of [`Allocation`] handles, with double frees and stray pointers
+/// detected.
+impl<D: Device> MemPool<D> {
+    /// [`alloc_async`](Self::alloc_async) for callers that keep pointers.
+    /// Size 0 returns 0 (null) and is not counted as an allocation, just as
+    /// freeing null is not counted as a free: a caller cannot tell the
+    /// null of a size-0 allocation from any other null, so only counting
+    /// neither keeps allocations minus frees equal to the live allocations.
+    pub fn alloc_raw(&self, size: usize, stream: Stream) -> Result<DevicePtr, PoolError> {
+        if size == 0 {
+            return Ok(0);
+        }
+        let a = self.alloc_async(size, stream)?;
+        let ptr = a.ptr();
+        if ptr == 0 {
+            return Ok(0);
+        }
+        self.inner.raw.insert(ptr, a);
+        Ok(ptr)
+    }
 
-impl<D: Device> PoolInner<D> {
-    /// Run `f` on `stream`'s entry when this thread has it at hand (no
-    /// table lookup, no reference count); `None` otherwise.
-    #[inline]
-    fn with_recent_entry<R>(&self, stream: Stream, f: impl FnOnce(&StreamEntry) -> R) -> Option<R> {
-        #[cfg(not(loom))]
-        return recent_entries::with(self.id, stream.id(), f);
-        #[cfg(loom)]
-        {
-            let _ = (stream, f);
-            None
+    /// [`free_async`](Self::free_async) by pointer. Freeing 0 is a no-op.
+    /// A pointer that is not live gets a typed error and changes nothing.
+    pub fn free_raw(&self, ptr: DevicePtr, stream: Stream) -> Result<(), PoolError> {
+        if ptr == 0 {
+            return Ok(());
+        }
+        let allocation = self.inner.raw.take(ptr, |p| self.contains(p))?;
+        match self.free_async(allocation, stream) {
+            Ok(()) => Ok(()),
+            Err(failed) => {
+                self.inner.raw.insert(ptr, failed.allocation);
+                Err(failed.error)
+            }
         }
     }
 
+    /// [`record_use`](Self::record_use) by pointer.
+    pub fn record_use_raw(&self, ptr: DevicePtr, stream: Stream) -> Result<(), PoolError> {
+        self.inner
+            .raw
+            .with_live(ptr, |p| self.contains(p), |a| self.record_use(a, stream))
+    }
+
+    /// Size in bytes of the live raw allocation at `ptr`.
+    pub fn raw_size(&self, ptr: DevicePtr) -> Option<usize> {
+        self.inner.raw.size(ptr)
+    }
+}
+
+impl RawSize for Allocation {
+    fn bytes(&self) -> usize {
+        self.size
+    }
+}
+
+/// The device's default pool (created on first use with the default
+/// configuration and kept for the life of the process), as
+/// `cudaDeviceGetDefaultMemPool` gives.
+///
+/// ```
+/// use std::sync::Arc;
+/// use tidepool::default_pool;
+/// use tidepool_sys::{Device, host::{HostConfig, HostDevice}};
+///
+/// let device = Arc::new(HostDevice::with_config(HostConfig { capacity: 64 << 20, ..Default::default() }));
+/// let s = device.create_stream()?;
+/// let x = default_pool(&device)?.alloc_async(4096, s)?;
+/// // Every call gives the same pool: it knows the allocation.
+/// let pool = default_pool(&device)?;
+/// assert_eq!(pool.stats().used_current, 4096);
+/// pool.free_async(x, s)?;
+/// // Another device gets a pool of its own.
+/// let other = Arc::new(HostDevice::with_config(HostConfig { capacity: 64 << 20, ..Default::default() }));
+/// assert_ne!(default_pool(&other)?.id(), pool.id());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[cfg(not(loom))]
+pub fn default_pool<D: Device>(device: &Arc<D>) -> Result<MemPool<D>, PoolError> {
+    let key = (device_key(device), std::any::TypeId::of::<D>());
+    crate::registry::default_for(key, || MemPool::new(device.clone(), PoolConfig::default()))
+}
+
+impl<D: Device> PoolInner<D> {
     /// Step 0 of an allocation: a block of exactly `len` bytes from the
     /// stream's own cache (freed on this stream, so no event is needed).
     fn take_cached(
@@ -948,7 +912,7 @@ impl<D: Device> PoolInner<D> {
             st.cache
                 .entry(len)
                 .or_default()
-                .push(crate::order::CachedBlock { offset, epoch });
+                .push(CachedBlock { offset, epoch });
             Ok(None)
         } else {
             Ok(Some(epoch))
@@ -969,8 +933,8 @@ impl<D: Device> PoolInner<D> {
         len: usize,
         size: u64,
     ) -> Result<(), PoolError> {
-        let entry = self.entry(stream)?;
-        let user_entry = self.entry(user)?;
+        let entry = self.order.entry(stream)?;
+        let user_entry = self.order.entry(user)?;
         let mut arena = lock(&self.arena);
         {
             let mut st = lock(&entry.state);
@@ -1001,70 +965,18 @@ impl<D: Device> PoolInner<D> {
         Ok(())
     }
 
-    pub(crate) fn reach(&self, stream: Stream) -> Reach {
-        match self.device.is_capturing(stream) {
-            Ok(false) => Reach::Live,
-            Err(SysError::InvalidHandle { what: "stream", .. }) => Reach::Gone,
-            Ok(true) | Err(_) => Reach::Untouchable,
-        }
-    }
-
-    /// Like [`PoolInner::reach`], but a failed query is an error rather
-    /// than `Untouchable`, for callers that must not return as if they had
-    /// dealt with the stream.
-    pub(crate) fn reach_checked(&self, stream: Stream) -> Result<Reach, PoolError> {
-        match self.device.is_capturing(stream) {
-            Ok(false) => Ok(Reach::Live),
-            Err(SysError::InvalidHandle { what: "stream", .. }) => Ok(Reach::Gone),
-            Ok(true) => Ok(Reach::Untouchable),
-            Err(e) => Err(e.into()),
-        }
-    }
-
-    /// Wait on the host, device-wide, for the frees of streams destroyed
-    /// before the pool could record an event on them, and mark them
-    /// complete. Returns whether every orphaned free is now complete; it
-    /// waits for nothing (false) while a stream known to the pool is being
-    /// captured, since a device-wide wait would break that capture.
+    /// Wait device-wide for the frees of streams destroyed before an
+    /// event could be recorded on them (see
+    /// [`StreamOrder::settle_orphans`]); each settled epoch is recorded as
+    /// synchronised under the arena's lock, which the wait does not hold.
     pub(crate) fn settle_orphans(&self) -> Result<bool, PoolError> {
-        let all = self.all_streams();
-        let orphans: Vec<(u64, u64)> = all
-            .iter()
-            .filter_map(|(id, e)| lock(&e.state).orphaned.map(|epoch| (*id, epoch)))
-            .collect();
-        if orphans.is_empty() {
-            return Ok(true);
-        }
-        for (_, e) in &all {
-            let stream = lock(&e.state).stream;
-            // A stream whose state cannot be learned is an error, not a
-            // reason to report the orphans as still pending and succeed.
-            if self.reach_checked(stream)? == Reach::Untouchable {
-                tracing::warn!(
-                    pool = self.id,
-                    %stream,
-                    "frees of destroyed streams stay pending: a stream is being captured"
-                );
-                return Ok(false);
-            }
-        }
-        tracing::warn!(
-            pool = self.id,
-            streams = orphans.len(),
-            "streams were destroyed with frees pending and no retire_stream: \
-             synchronising the device to learn when those frees complete"
-        );
-        self.device.synchronize_device()?;
-        for (id, epoch) in orphans {
-            self.mark_synced(id, epoch);
-            if let Some((_, e)) = all.iter().find(|(i, _)| *i == id) {
-                let mut st = lock(&e.state);
-                if st.orphaned == Some(epoch) {
-                    st.orphaned = None;
-                }
-            }
-        }
-        Ok(true)
+        self.order
+            .settle_orphans(|id, epoch| self.mark_synced(id, epoch))
+    }
+
+    /// Host-synchronised up to `epoch` on stream `id`.
+    pub(crate) fn mark_synced(&self, id: u64, epoch: u64) {
+        lock(&self.arena).done.mark_synced(id, epoch);
     }
 
     /// Finish counting an allocation whose stream lacked `missing` bytes of
@@ -1088,7 +1000,7 @@ impl<D: Device> PoolInner<D> {
 
     /// Move every stream's headroom into the ledger.
     pub(crate) fn collect_headroom(&self, ledger: &mut crate::stats::Ledger) {
-        for (_, e) in self.all_streams() {
+        for (_, e) in self.order.all_streams() {
             ledger.unassigned += std::mem::take(&mut lock(&e.state).counters.headroom);
         }
     }
@@ -1097,7 +1009,7 @@ impl<D: Device> PoolInner<D> {
     pub(crate) fn counts(&self) -> (crate::stats::StreamCounters, u64, u64) {
         let ledger = lock(&self.counters.ledger);
         let mut sum = crate::stats::StreamCounters::default();
-        for (_, e) in self.all_streams() {
+        for (_, e) in self.order.all_streams() {
             let c = lock(&e.state).counters;
             sum.allocs += c.allocs;
             sum.frees += c.frees;
@@ -1125,63 +1037,47 @@ impl<D: Device> PoolInner<D> {
         }
     }
 
-    /// The pool's state for `stream`, created on first use. Ids are never
-    /// reused by the backend, so a stream's state is never confused with
-    /// that of a destroyed stream whose driver handle was recycled. A
-    /// stream of another device instance gets no state: it is refused
-    /// ([`SysError::ForeignHandle`]) the first time the pool meets it, so
-    /// no later pass over the pool's streams has to deal with it.
-    pub fn entry(&self, stream: Stream) -> Result<Arc<StreamEntry>, PoolError> {
-        #[cfg(not(loom))]
-        if let Some(e) = recent_entries::get(self.id, stream.id()) {
-            return Ok(e);
+    /// The parts of the pool the reuse policy works with.
+    fn parts(&self) -> crate::policy::Parts<'_, D> {
+        crate::policy::Parts {
+            id: self.id,
+            device: &*self.device,
+            device_key: device_key(&self.device),
+            config: &self.config,
+            order: &self.order,
+            arena: &self.arena,
+            pages: self.pages(),
+            counters: &self.counters,
         }
-        let e = self.entry_from_table(stream)?;
-        #[cfg(not(loom))]
-        recent_entries::put(self.id, stream.id(), &e);
-        Ok(e)
     }
 
-    fn entry_from_table(&self, stream: Stream) -> Result<Arc<StreamEntry>, PoolError> {
-        if let Some(e) = self
-            .streams
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&stream.id())
+    /// The page mapper over this pool's address range.
+    fn pages(&self) -> Pages<'_, D> {
+        Pages {
+            pool: self.id,
+            device: &*self.device,
+            base: self.base,
+            config: &self.config,
+            share: &self.share,
+        }
+    }
+
+    /// Release physical memory until at most `target` bytes are held
+    /// (every stream's cache joins the arena and completions are observed
+    /// first, so that everything releasable is known).
+    pub(crate) fn trim_to(&self, target: u64) -> Result<u64, PoolError> {
+        let mut st = lock(&self.arena);
         {
-            return Ok(e.clone());
+            let ArenaState { arena, done, .. } = &mut *st;
+            self.order.flush_caches(arena);
+            self.order
+                .observe_completions(arena, done, self.reuse().opportunistic);
         }
-        // Once per stream and pool (not on the hot path). A destroyed
-        // stream still gets its state (the rules for streams destroyed
-        // without retirement need it); another device's stream does not.
-        if let Err(e @ SysError::ForeignHandle { .. }) = self.device.check_stream(stream) {
-            return Err(e.into());
+        let released = self.pages().trim(&mut st, target)?;
+        if released > 0 {
+            tracing::debug!(pool = self.id, released, target, "trimmed");
         }
-        let mut map = self.streams.write().unwrap_or_else(|p| p.into_inner());
-        Ok(map
-            .entry(stream.id())
-            .or_insert_with(|| {
-                Arc::new(StreamEntry {
-                    state: Mutex::new(StreamState::new(stream)),
-                })
-            })
-            .clone())
-    }
-
-    pub fn all_streams(&self) -> Vec<(u64, Arc<StreamEntry>)> {
-        #[allow(unused_mut)]
-        let mut all: Vec<_> = self
-            .streams
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .map(|(k, v)| (*k, v.clone()))
-            .collect();
-        // loom replays executions and needs the same lock order each time;
-        // a HashMap's order changes with its per-map random seed.
-        #[cfg(loom)]
-        all.sort_unstable_by_key(|(k, _)| *k);
-        all
+        Ok(released)
     }
 
     fn release_to_threshold(&self) -> Result<(), PoolError> {
@@ -1189,43 +1085,33 @@ impl<D: Device> PoolInner<D> {
         if threshold == u64::MAX {
             return Ok(());
         }
-        if lock(&self.arena).arena.reserved > threshold {
+        if lock(&self.arena).arena.reserved() > threshold {
             self.trim_to(threshold)?;
         }
         Ok(())
     }
 }
 
+impl<D: Device> CacheHolder for PoolInner<D> {
+    fn release_cached(&self) -> u64 {
+        self.trim_to(0).unwrap_or(0)
+    }
+}
+
+/// Identifies a device instance among pools.
+fn device_key<D>(device: &Arc<D>) -> usize {
+    Arc::as_ptr(device) as *const () as usize
+}
+
 impl<D: Device> Drop for PoolInner<D> {
     fn drop(&mut self) {
         crate::registry::unregister(self.id);
-        // Imports of other pools' memory (see share.rs).
+        // Imports of other pools' memory.
         self.share.release_all_imports(&*self.device);
         // Map, unmap and release act at once: wait for every free's device
-        // work before taking the memory away.
-        for (_, entry) in self.all_streams() {
-            let mut st = lock(&entry.state);
-            if st.frees_in_epoch && !st.retired {
-                match self.reach(st.stream) {
-                    Reach::Live => {
-                        if let Ok(ev) = self.events.acquire() {
-                            if self.device.record_event(ev, st.stream).is_ok() {
-                                st.close_epoch(ev, self.events.clone());
-                            } else {
-                                self.events.release(ev);
-                            }
-                        }
-                    }
-                    Reach::Gone => st.close_epoch_orphaned(),
-                    Reach::Untouchable => {}
-                }
-            }
-            for rec in st.recorded.drain(..) {
-                if let Err(e) = self.device.synchronize_event(rec.event) {
-                    tracing::warn!(error = %e, "waiting for a pending free while dropping the pool failed");
-                }
-            }
-        }
+        // work before taking the memory away (no arena lock is held while
+        // waiting).
+        self.order.wait_all_for_drop();
         // Streams destroyed with frees pending: their work may still use the
         // memory about to be unmapped.
         match self.settle_orphans() {
@@ -1247,19 +1133,8 @@ impl<D: Device> Drop for PoolInner<D> {
             );
         }
         let mut st = lock(&self.arena);
-        let arena = &mut st.arena;
-        let page = arena.page;
-        for (_, phys) in arena.phys.iter() {
-            for &p in &phys.mappings {
-                if let Err(e) = self.device.unmap(self.base + (p * page) as u64, page) {
-                    tracing::warn!(error = %e, "unmap while dropping the pool failed");
-                }
-            }
-            if let Err(e) = self.device.release_physical(phys.handle) {
-                tracing::warn!(error = %e, "release while dropping the pool failed");
-            }
-        }
-        arena.phys.clear();
+        self.pages().unmap_all(&mut st);
+        drop(st);
         if let Err(e) = self.device.free_va(self.base, self.va_size) {
             tracing::warn!(error = %e, "freeing the pool's address range failed");
         }

@@ -1,0 +1,850 @@
+//! Stream ordering: everything the pool knows about the order of work on
+//! streams, and the one place that records, queries and waits on events.
+//!
+//! Every free on a stream gets the stream's current *epoch*. Recording an
+//! event on the stream closes the epoch: once that event completes, every
+//! free of that epoch and earlier is done on the device. A stream's vector
+//! clock says, for each other stream, up to which epoch it has waited (through
+//! the pool) — transitively, because waiting on an event merges the clock the
+//! recording stream had. "Follow event dependencies" is then a comparison.
+//!
+//! Here live, and only here:
+//! - vector clocks, epochs and the records of events the pool recorded;
+//! - the event recycler;
+//! - the stream table (one [`StreamEntry`] per stream ever seen, never
+//!   removed) and each stream's state, its private cache of frees included;
+//! - what the pool may still do with a stream's driver handle ([`Reach`]);
+//! - what is known complete ([`Completion`]), learnt by querying events
+//!   ([`StreamOrder::observe_completions`]), by host synchronisation, or —
+//!   for streams destroyed with frees pending — by a device-wide wait
+//!   ([`StreamOrder::settle_orphans`]);
+//! - the one way to close an epoch with an event
+//!   ([`StreamOrder::record_closing`]): acquire an event, record it, close
+//!   the epoch, or give the event back if the record fails.
+//!
+//! It knows nothing of placement or page mapping: the arena is touched only
+//! to hand it cached frees and to upgrade guards that completed.
+
+use crate::arena::{Arena, Guard};
+use crate::error::PoolError;
+use crate::sync::{lock, Arc, Mutex, RwLock};
+use std::collections::{HashMap, VecDeque};
+use std::time::Instant;
+use tidepool_sys::{Device, Event, Stream, SysError, SysResult};
+
+/// For each stream id, the highest epoch known to be ordered before.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct VectorClock {
+    entries: Vec<(u64, u64)>,
+}
+
+impl VectorClock {
+    pub fn get(&self, stream: u64) -> u64 {
+        self.entries
+            .iter()
+            .find(|(s, _)| *s == stream)
+            .map_or(0, |(_, e)| *e)
+    }
+
+    pub fn raise(&mut self, stream: u64, epoch: u64) {
+        match self.entries.iter_mut().find(|(s, _)| *s == stream) {
+            Some((_, e)) => *e = (*e).max(epoch),
+            None => self.entries.push((stream, epoch)),
+        }
+    }
+
+    pub fn merge(&mut self, other: &VectorClock) {
+        for &(s, e) in &other.entries {
+            self.raise(s, e);
+        }
+    }
+}
+
+/// Where an event goes when nobody needs it any more (recycled or destroyed
+/// by the pool that owns the device).
+pub(crate) trait EventSink: Send + Sync {
+    fn release(&self, event: Event);
+}
+
+/// An event the pool recorded on a stream, closing `epoch` on it.
+pub(crate) struct EventRecord {
+    pub event: Event,
+    pub stream: Stream,
+    pub epoch: u64,
+    /// The recording stream's clock at the record, including itself at `epoch`.
+    pub clock: VectorClock,
+    pub sink: Arc<dyn EventSink>,
+}
+
+/// `Arc<S>` as `Arc<dyn EventSink>`. loom's `Arc` cannot unsize, so under
+/// `cfg(loom)` the loom `Arc` is wrapped in a std `Arc` and handed to loom's
+/// `Arc::from_std` (one extra allocation per recorded event, models only).
+#[cfg(not(loom))]
+fn dyn_sink<S: EventSink + 'static>(sink: Arc<S>) -> Arc<dyn EventSink> {
+    sink
+}
+
+#[cfg(loom)]
+fn dyn_sink<S: EventSink + 'static>(sink: Arc<S>) -> Arc<dyn EventSink> {
+    Arc::from_std(std::sync::Arc::new(sink))
+}
+
+#[cfg(loom)]
+impl<S: EventSink> EventSink for Arc<S> {
+    fn release(&self, event: Event) {
+        (**self).release(event)
+    }
+}
+
+impl Drop for EventRecord {
+    fn drop(&mut self) {
+        self.sink.release(self.event);
+    }
+}
+
+impl std::fmt::Debug for EventRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EventRecord")
+            .field("event", &self.event)
+            .field("stream", &self.stream)
+            .field("epoch", &self.epoch)
+            .finish()
+    }
+}
+
+/// Hashes the pool's own integer keys: block lengths (multiples of 512)
+/// for the stream caches, stream ids for the completion maps. SipHash
+/// (std's default) was a measurable share of the alloc+free fast path and
+/// of observing completions, and these keys come from the pool, not from an
+/// adversary. A multiply, then the high bits folded into the low ones that
+/// pick the bucket.
+#[derive(Default)]
+pub(crate) struct IntHasher(u64);
+
+impl std::hash::Hasher for IntHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        let h = (self.0 ^ n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        self.0 = h ^ (h >> 29);
+    }
+    fn write_usize(&mut self, n: usize) {
+        self.write_u64(n as u64);
+    }
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+pub(crate) type BuildIntHasher = std::hash::BuildHasherDefault<IntHasher>;
+
+/// A block freed on a stream and kept in that stream's private cache.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CachedBlock {
+    pub offset: usize,
+    pub epoch: u64,
+}
+
+/// Per-stream state, behind the stream's own lock (never the arena's).
+#[derive(Debug)]
+pub(crate) struct StreamState {
+    pub stream: Stream,
+    pub retired: bool,
+    /// Frees made now belong to this epoch.
+    pub epoch: u64,
+    /// Whether a free happened in the current epoch (an event must be
+    /// recorded to learn when it completes).
+    pub frees_in_epoch: bool,
+    /// What this stream has waited on through the pool.
+    pub clock: VectorClock,
+    /// Events recorded on this stream, not yet observed complete, oldest first.
+    pub recorded: VecDeque<Arc<EventRecord>>,
+    /// Same-stream frees kept for reuse by this stream, by block length.
+    pub cache: HashMap<usize, Vec<CachedBlock>, BuildIntHasher>,
+    pub cached_bytes: usize,
+    /// This stream's share of the pool's counters.
+    pub counters: crate::stats::StreamCounters,
+    /// The last epoch closed with no event because the driver stream was
+    /// already destroyed: its frees complete only by a device-wide wait.
+    pub orphaned: Option<u64>,
+}
+
+impl StreamState {
+    pub fn new(stream: Stream) -> Self {
+        StreamState {
+            stream,
+            retired: false,
+            epoch: 1,
+            frees_in_epoch: false,
+            clock: VectorClock::default(),
+            recorded: VecDeque::new(),
+            cache: HashMap::default(),
+            cached_bytes: 0,
+            counters: Default::default(),
+            orphaned: None,
+        }
+    }
+
+    /// Close the current epoch with a freshly recorded event.
+    pub fn close_epoch<S: EventSink + 'static>(
+        &mut self,
+        event: Event,
+        sink: Arc<S>,
+    ) -> Arc<EventRecord> {
+        let sink = dyn_sink(sink);
+        let epoch = self.epoch;
+        let mut clock = self.clock.clone();
+        clock.raise(self.stream.id(), epoch);
+        let record = Arc::new(EventRecord {
+            event,
+            stream: self.stream,
+            epoch,
+            clock,
+            sink,
+        });
+        self.recorded.push_back(record.clone());
+        self.epoch += 1;
+        self.frees_in_epoch = false;
+        record
+    }
+
+    /// Close the current epoch because the host is about to synchronise
+    /// the stream: every free of the returned epoch and earlier will be done
+    /// when the synchronisation returns.
+    pub fn close_epoch_synced(&mut self) -> u64 {
+        let epoch = self.epoch;
+        self.epoch += 1;
+        self.frees_in_epoch = false;
+        epoch
+    }
+
+    /// Close the current epoch of a stream whose driver stream is gone (no
+    /// event can be recorded on it any more): the epoch's frees wait for a
+    /// device-wide synchronisation.
+    pub fn close_epoch_orphaned(&mut self) {
+        if self.frees_in_epoch {
+            let epoch = self.close_epoch_synced();
+            self.orphaned = Some(epoch);
+        }
+    }
+
+    /// The first recorded, not-yet-complete event that covers `epoch`.
+    pub fn event_covering(&self, epoch: u64) -> Option<Arc<EventRecord>> {
+        self.recorded.iter().find(|r| r.epoch >= epoch).cloned()
+    }
+
+    /// Take every cached block out (for the arena).
+    pub fn drain_cache(&mut self) -> Vec<(usize, CachedBlock)> {
+        let mut out = Vec::new();
+        self.drain_cache_with(|len, b| out.push((len, b)));
+        out
+    }
+
+    /// Take every cached block out, handing each to `f` (length, block) in
+    /// the order [`StreamState::drain_cache`] returns them, with no list
+    /// built in between. Returns how many there were.
+    pub fn drain_cache_with(&mut self, mut f: impl FnMut(usize, CachedBlock)) -> usize {
+        let mut n = 0;
+        for (len, blocks) in self.cache.drain() {
+            n += blocks.len();
+            for b in blocks {
+                f(len, b);
+            }
+        }
+        self.cached_bytes = 0;
+        n
+    }
+}
+
+/// Recycles the pool's device events (an event create+destroy costs about
+/// as much as a record).
+pub(crate) struct EventRecycler<D: Device> {
+    device: Arc<D>,
+    free: Mutex<Vec<Event>>,
+}
+
+impl<D: Device> EventRecycler<D> {
+    fn new(device: Arc<D>) -> Self {
+        EventRecycler {
+            device,
+            free: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn acquire(&self) -> SysResult<Event> {
+        if let Some(e) = lock(&self.free).pop() {
+            return Ok(e);
+        }
+        self.device.create_event()
+    }
+}
+
+impl<D: Device> EventSink for EventRecycler<D> {
+    fn release(&self, event: Event) {
+        let mut free = lock(&self.free);
+        if free.len() < 256 {
+            free.push(event);
+            return;
+        }
+        drop(free);
+        if let Err(e) = self.device.destroy_event(event) {
+            tracing::warn!(error = %e, "destroying a pool event failed");
+        }
+    }
+}
+
+impl<D: Device> Drop for EventRecycler<D> {
+    fn drop(&mut self) {
+        for e in lock(&self.free).drain(..) {
+            if let Err(err) = self.device.destroy_event(e) {
+                tracing::warn!(error = %err, "destroying a pool event failed");
+            }
+        }
+    }
+}
+
+/// One stream's state in the table, behind its own lock.
+pub(crate) struct StreamEntry {
+    pub state: Mutex<StreamState>,
+}
+
+/// The last few stream entries this thread used, keyed by pool id and stream
+/// id (both never reused, and entries are never removed from a pool, so a
+/// hit is always the right entry). Spares the hot path the stream table's
+/// shared lock and hashing. An entry of a dropped pool lingers here until
+/// evicted; it holds no device resources by then (the pool's drop drained
+/// its events).
+#[cfg(not(loom))]
+mod recent_entries {
+    use super::StreamEntry;
+    use std::cell::RefCell;
+    use std::sync::Arc;
+
+    const SLOTS: usize = 4;
+
+    type Slot = (u64, u64, Arc<StreamEntry>);
+
+    thread_local! {
+        static RECENT: RefCell<Vec<Slot>> = const { RefCell::new(Vec::new()) };
+    }
+
+    pub(super) fn get(pool: u64, stream: u64) -> Option<Arc<StreamEntry>> {
+        RECENT
+            .try_with(|r| {
+                r.try_borrow()
+                    .ok()?
+                    .iter()
+                    .find(|(p, s, _)| *p == pool && *s == stream)
+                    .map(|(_, _, e)| e.clone())
+            })
+            .ok()
+            .flatten()
+    }
+
+    /// Run `f` on the entry if this thread has it, without touching its
+    /// reference count (the allocation fast path). `f` must not block.
+    pub(super) fn with<R>(pool: u64, stream: u64, f: impl FnOnce(&StreamEntry) -> R) -> Option<R> {
+        RECENT
+            .try_with(|r| {
+                let r = r.try_borrow().ok()?;
+                let (_, _, e) = r.iter().find(|(p, s, _)| *p == pool && *s == stream)?;
+                Some(f(e))
+            })
+            .ok()
+            .flatten()
+    }
+
+    pub(super) fn put(pool: u64, stream: u64, entry: &Arc<StreamEntry>) {
+        let _ = RECENT.try_with(|r| {
+            let Ok(mut r) = r.try_borrow_mut() else {
+                return;
+            };
+            if r.len() == SLOTS {
+                r.remove(0);
+            }
+            r.push((pool, stream, entry.clone()));
+        });
+    }
+}
+
+/// What the pool may still do with a stream's driver handle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Reach {
+    /// Record events on it, synchronise it.
+    Live,
+    /// Destroyed (without `retire_stream` first): work it had queued still
+    /// runs, but only a device-wide synchronisation can wait for it.
+    Gone,
+    /// Being captured into a graph, or its state cannot be learned: touching
+    /// it could break a capture, so the pool leaves it alone.
+    Untouchable,
+}
+
+/// Why closing an epoch with an event failed (the event, if one was
+/// taken, is back in the recycler either way).
+#[derive(Debug)]
+pub(crate) enum RecordFailure {
+    /// No event could be had (creating one failed).
+    Acquire(SysError),
+    /// The driver refused to record the event on the stream.
+    Record(SysError),
+}
+
+impl From<RecordFailure> for PoolError {
+    fn from(f: RecordFailure) -> Self {
+        match f {
+            RecordFailure::Acquire(e) | RecordFailure::Record(e) => e.into(),
+        }
+    }
+}
+
+/// What is known complete, per stream id, under the arena's lock (guards
+/// are judged against it while placing a block).
+#[derive(Debug, Default)]
+pub(crate) struct Completion {
+    /// Highest epoch whose frees were observed complete by an event query.
+    completed: HashMap<u64, u64, BuildIntHasher>,
+    /// Highest epoch the host synchronised with (everything issued
+    /// afterwards, on any stream, is ordered after it).
+    synced: HashMap<u64, u64, BuildIntHasher>,
+}
+
+impl Completion {
+    /// Highest epoch of `stream` observed complete by an event query.
+    pub fn observed(&self, stream: u64) -> u64 {
+        self.completed.get(&stream).copied().unwrap_or(0)
+    }
+
+    /// Highest epoch of `stream` the host synchronised with.
+    pub fn synced(&self, stream: u64) -> u64 {
+        self.synced.get(&stream).copied().unwrap_or(0)
+    }
+
+    /// The host synchronised with `stream` up to `epoch`.
+    pub fn mark_synced(&mut self, stream: u64, epoch: u64) {
+        let e = self.synced.entry(stream).or_insert(0);
+        *e = (*e).max(epoch);
+    }
+
+    /// An event query saw `stream`'s work up to `epoch` complete.
+    fn mark_observed(&mut self, stream: u64, epoch: u64) {
+        let e = self.completed.entry(stream).or_insert(0);
+        *e = (*e).max(epoch);
+    }
+
+    /// Whether the device work before a free is known to be done (the only
+    /// condition under which its memory may be unmapped or released).
+    pub fn is_complete(&self, guard: Guard) -> bool {
+        match guard {
+            Guard::Complete => true,
+            Guard::After { stream, epoch } => {
+                self.observed(stream) >= epoch || self.synced(stream) >= epoch
+            }
+        }
+    }
+}
+
+/// The stream table and the device calls of stream ordering.
+pub(crate) struct StreamOrder<D: Device> {
+    pool: u64,
+    device: Arc<D>,
+    events: Arc<EventRecycler<D>>,
+    streams: RwLock<HashMap<u64, Arc<StreamEntry>>>,
+}
+
+impl<D: Device> StreamOrder<D> {
+    pub fn new(pool: u64, device: Arc<D>) -> Self {
+        StreamOrder {
+            pool,
+            events: Arc::new(EventRecycler::new(device.clone())),
+            device,
+            streams: RwLock::new(HashMap::new()),
+        }
+    }
+
+    /// The one way the pool closes an epoch with an event: acquire an
+    /// event, record it on the stream, close the epoch with it; when the
+    /// record fails the event goes back to the recycler and the epoch stays
+    /// open. The caller holds the stream's lock, so no free can slip in
+    /// between the record and the close.
+    pub fn record_closing(&self, st: &mut StreamState) -> Result<Arc<EventRecord>, RecordFailure> {
+        let event = self.events.acquire().map_err(RecordFailure::Acquire)?;
+        if let Err(e) = self.device.record_event(event, st.stream) {
+            self.events.release(event);
+            return Err(RecordFailure::Record(e));
+        }
+        Ok(st.close_epoch(event, self.events.clone()))
+    }
+
+    /// Run `f` on `stream`'s entry when this thread has it at hand (no
+    /// table lookup, no reference count); `None` otherwise.
+    #[inline]
+    pub fn with_recent_entry<R>(
+        &self,
+        stream: Stream,
+        f: impl FnOnce(&StreamEntry) -> R,
+    ) -> Option<R> {
+        #[cfg(not(loom))]
+        return recent_entries::with(self.pool, stream.id(), f);
+        #[cfg(loom)]
+        {
+            let _ = (stream, f);
+            None
+        }
+    }
+
+    /// The pool's state for `stream`, created on first use. Ids are never
+    /// reused by the backend, so a stream's state is never confused with
+    /// that of a destroyed stream whose driver handle was recycled. A
+    /// stream of another device instance gets no state: it is refused
+    /// ([`SysError::ForeignHandle`]) the first time the pool meets it, so
+    /// no later pass over the pool's streams has to deal with it.
+    pub fn entry(&self, stream: Stream) -> Result<Arc<StreamEntry>, PoolError> {
+        #[cfg(not(loom))]
+        if let Some(e) = recent_entries::get(self.pool, stream.id()) {
+            return Ok(e);
+        }
+        let e = self.entry_from_table(stream)?;
+        #[cfg(not(loom))]
+        recent_entries::put(self.pool, stream.id(), &e);
+        Ok(e)
+    }
+
+    fn entry_from_table(&self, stream: Stream) -> Result<Arc<StreamEntry>, PoolError> {
+        if let Some(e) = self
+            .streams
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&stream.id())
+        {
+            return Ok(e.clone());
+        }
+        // Once per stream and pool (not on the hot path). A destroyed
+        // stream still gets its state (the rules for streams destroyed
+        // without retirement need it); another device's stream does not.
+        if let Err(e @ SysError::ForeignHandle { .. }) = self.device.check_stream(stream) {
+            return Err(e.into());
+        }
+        let mut map = self.streams.write().unwrap_or_else(|p| p.into_inner());
+        Ok(map
+            .entry(stream.id())
+            .or_insert_with(|| {
+                Arc::new(StreamEntry {
+                    state: Mutex::new(StreamState::new(stream)),
+                })
+            })
+            .clone())
+    }
+
+    /// Every stream's entry (a snapshot of the table).
+    pub fn all_streams(&self) -> Vec<(u64, Arc<StreamEntry>)> {
+        #[allow(unused_mut)]
+        let mut all: Vec<_> = self
+            .streams
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(k, v)| (*k, v.clone()))
+            .collect();
+        // loom replays executions and needs the same lock order each time;
+        // a HashMap's order changes with its per-map random seed.
+        #[cfg(loom)]
+        all.sort_unstable_by_key(|(k, _)| *k);
+        all
+    }
+
+    /// The table as it is now, for lookups by id without its lock.
+    pub fn table(&self) -> HashMap<u64, Arc<StreamEntry>> {
+        self.streams
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// What the pool may still do with `stream`'s driver handle.
+    pub fn reach(&self, stream: Stream) -> Reach {
+        match self.device.is_capturing(stream) {
+            Ok(false) => Reach::Live,
+            Err(SysError::InvalidHandle { what: "stream", .. }) => Reach::Gone,
+            Ok(true) | Err(_) => Reach::Untouchable,
+        }
+    }
+
+    /// Like [`StreamOrder::reach`], but a failed query is an error rather
+    /// than `Untouchable`, for callers that must not return as if they had
+    /// dealt with the stream.
+    pub fn reach_checked(&self, stream: Stream) -> Result<Reach, PoolError> {
+        match self.device.is_capturing(stream) {
+            Ok(false) => Ok(Reach::Live),
+            Err(SysError::InvalidHandle { what: "stream", .. }) => Ok(Reach::Gone),
+            Ok(true) => Ok(Reach::Untouchable),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Move the privately cached frees of the stream `me` (its entry) into
+    /// the arena, straight from the cache under the stream's lock (taken
+    /// after the arena's, as everywhere).
+    pub fn flush_own_cache(&self, arena: &mut Arena, me: u64, entry: &StreamEntry) {
+        lock(&entry.state).drain_cache_with(|len, b| {
+            arena.give_back(
+                b.offset,
+                len,
+                Guard::After {
+                    stream: me,
+                    epoch: b.epoch,
+                },
+            )
+        });
+    }
+
+    /// Move every stream's privately cached frees into the arena.
+    pub fn flush_caches(&self, arena: &mut Arena) -> usize {
+        let mut moved = 0;
+        for (id, entry) in self.all_streams() {
+            moved += lock(&entry.state).drain_cache_with(|len, b| {
+                arena.give_back(
+                    b.offset,
+                    len,
+                    Guard::After {
+                        stream: id,
+                        epoch: b.epoch,
+                    },
+                )
+            });
+        }
+        moved
+    }
+
+    /// Record events lazily on streams with uncovered frees, query the
+    /// recorded events, and upgrade guards that are now known complete
+    /// (observed ones only under opportunistic reuse: otherwise a free
+    /// observed complete is still reused only through a dependency).
+    pub fn observe_completions(
+        &self,
+        arena: &mut Arena,
+        done: &mut Completion,
+        opportunistic: bool,
+    ) {
+        for (id, entry) in self.all_streams() {
+            let mut s = lock(&entry.state);
+            if s.frees_in_epoch && !s.retired && !self.device.is_capturing(s.stream).unwrap_or(true)
+            {
+                // A failure leaves the epoch open: the next pass tries again.
+                let _ = self.record_closing(&mut s);
+            }
+            while let Some(front) = s.recorded.front() {
+                match self.device.query_event(front.event) {
+                    Ok(true) => {
+                        let epoch = front.epoch;
+                        s.recorded.pop_front();
+                        done.mark_observed(id, epoch);
+                    }
+                    _ => break,
+                }
+            }
+        }
+        arena.settle(|g| match g {
+            Guard::After { stream, epoch }
+                if done.synced(stream) >= epoch
+                    || (opportunistic && done.observed(stream) >= epoch) =>
+            {
+                Some(Guard::Complete)
+            }
+            _ => None,
+        });
+    }
+
+    /// Wait on the host, device-wide, for the frees of streams destroyed
+    /// before the pool could record an event on them; `mark(stream, epoch)`
+    /// is told of each such epoch once it is complete (the caller records
+    /// it under the arena's lock, which is not held during the wait).
+    /// Returns whether every orphaned free is now complete; it waits for
+    /// nothing (false) while a stream known to the pool is being captured,
+    /// since a device-wide wait would break that capture.
+    pub fn settle_orphans(&self, mut mark: impl FnMut(u64, u64)) -> Result<bool, PoolError> {
+        let all = self.all_streams();
+        let orphans: Vec<(u64, u64)> = all
+            .iter()
+            .filter_map(|(id, e)| lock(&e.state).orphaned.map(|epoch| (*id, epoch)))
+            .collect();
+        if orphans.is_empty() {
+            return Ok(true);
+        }
+        for (_, e) in &all {
+            let stream = lock(&e.state).stream;
+            // A stream whose state cannot be learned is an error, not a
+            // reason to report the orphans as still pending and succeed.
+            if self.reach_checked(stream)? == Reach::Untouchable {
+                tracing::warn!(
+                    pool = self.pool,
+                    %stream,
+                    "frees of destroyed streams stay pending: a stream is being captured"
+                );
+                return Ok(false);
+            }
+        }
+        tracing::warn!(
+            pool = self.pool,
+            streams = orphans.len(),
+            "streams were destroyed with frees pending and no retire_stream: \
+             synchronising the device to learn when those frees complete"
+        );
+        self.device.synchronize_device()?;
+        for (id, epoch) in orphans {
+            mark(id, epoch);
+            if let Some((_, e)) = all.iter().find(|(i, _)| *i == id) {
+                let mut st = lock(&e.state);
+                if st.orphaned == Some(epoch) {
+                    st.orphaned = None;
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    /// The events recorded on every stream and not yet observed complete.
+    pub fn pending_records(&self) -> Vec<Arc<EventRecord>> {
+        let mut out = Vec::new();
+        for (_, entry) in self.all_streams() {
+            out.extend(lock(&entry.state).recorded.iter().cloned());
+        }
+        out
+    }
+
+    /// Wait on the host, until `deadline` at most (none: no bound), for
+    /// the work before some of the records to complete, polling them all in
+    /// turn. Must be called with no lock held. Returns the records seen
+    /// complete (after the first completion, one pass more collects the
+    /// others already done), and whether waiting longer may help (some
+    /// completed, others are still pending, and time is left).
+    pub fn wait_records(
+        &self,
+        pending: &[Arc<EventRecord>],
+        deadline: Option<Instant>,
+    ) -> (Vec<Arc<EventRecord>>, bool) {
+        let mut done = Vec::new();
+        let mut nap = std::time::Duration::from_micros(20);
+        let mut left: Vec<&Arc<EventRecord>> = pending.iter().collect();
+        while !left.is_empty() {
+            let mut still = Vec::with_capacity(left.len());
+            for rec in left {
+                match self.device.query_event(rec.event) {
+                    Ok(true) => done.push(rec.clone()),
+                    Ok(false) => still.push(rec),
+                    // A failed query: this record cannot be waited for.
+                    Err(_) => {}
+                }
+            }
+            left = still;
+            if !done.is_empty() || deadline.is_some_and(|d| Instant::now() >= d) {
+                break;
+            }
+            if !left.is_empty() {
+                std::thread::sleep(nap);
+                nap = (nap * 2).min(std::time::Duration::from_millis(1));
+            }
+        }
+        if !done.is_empty() {
+            tracing::debug!(
+                pool = self.pool,
+                completed = done.len(),
+                "host wait let pending frees complete"
+            );
+        }
+        let more =
+            !done.is_empty() && !left.is_empty() && deadline.is_none_or(|d| Instant::now() < d);
+        (done, more)
+    }
+
+    /// The pool is going away and is about to unmap everything: close
+    /// every open epoch (with an event, or as orphaned where the driver
+    /// stream is gone) and wait on the host for every recorded event. Takes
+    /// no lock but each stream's own, one at a time.
+    pub fn wait_all_for_drop(&self) {
+        for (_, entry) in self.all_streams() {
+            let mut st = lock(&entry.state);
+            if st.frees_in_epoch && !st.retired {
+                match self.reach(st.stream) {
+                    Reach::Live => {
+                        // Nothing to wait for if no event can be recorded.
+                        let _ = self.record_closing(&mut st);
+                    }
+                    Reach::Gone => st.close_epoch_orphaned(),
+                    Reach::Untouchable => {}
+                }
+            }
+            for rec in st.recorded.drain(..) {
+                if let Err(e) = self.device.synchronize_event(rec.event) {
+                    tracing::warn!(error = %e, "waiting for a pending free while dropping the pool failed");
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tidepool_sys::{FaultInjector, HostConfig, HostDevice, Op};
+
+    /// A failed record leaves the epoch open (its frees stay uncovered, so
+    /// a later pass records again) and gives the event back: the next
+    /// record reuses it instead of creating another (no event leaks).
+    #[test]
+    #[cfg(not(loom))]
+    fn record_closing_gives_the_event_back_when_the_record_fails() {
+        let dev = Arc::new(FaultInjector::new(HostDevice::with_config(HostConfig {
+            capacity: 8 << 20,
+            granularity: 2 << 20,
+        })));
+        let order = StreamOrder::new(1, dev.clone());
+        let s = dev.create_stream().unwrap();
+        let entry = order.entry(s).unwrap();
+        let mut st = lock(&entry.state);
+        st.frees_in_epoch = true;
+        dev.fail_nth(
+            Op::RecordEvent,
+            1,
+            SysError::Injected {
+                op: Op::RecordEvent,
+                call: 1,
+            },
+        );
+        let created = dev.calls(Op::CreateEvent);
+        assert!(matches!(
+            order.record_closing(&mut st),
+            Err(RecordFailure::Record(_))
+        ));
+        assert_eq!((st.epoch, st.frees_in_epoch), (1, true), "epoch left open");
+        assert!(st.recorded.is_empty());
+        let rec = order
+            .record_closing(&mut st)
+            .expect("the second record works");
+        assert_eq!(rec.epoch, 1);
+        assert_eq!((st.epoch, st.frees_in_epoch), (2, false));
+        assert_eq!(
+            dev.calls(Op::CreateEvent),
+            created + 1,
+            "the event of the failed record was reused"
+        );
+        dev.synchronize_stream(s).unwrap();
+    }
+
+    #[test]
+    fn vector_clock_merge_takes_maximum_per_stream() {
+        let mut a = VectorClock::default();
+        a.raise(1, 5);
+        a.raise(2, 1);
+        let mut b = VectorClock::default();
+        b.raise(2, 7);
+        b.raise(3, 2);
+        a.merge(&b);
+        assert_eq!((a.get(1), a.get(2), a.get(3), a.get(4)), (5, 7, 2, 0));
+        a.raise(1, 3);
+        assert_eq!(a.get(1), 5, "raise never lowers");
+    }
+}

@@ -1,0 +1,422 @@
+//! Placement: where a block goes. Pure decisions over the arena's
+//! bookkeeping and what is known complete, under the arena's lock: the
+//! zone and alignment of a request, whether a guard lets a stream reuse a
+//! range (steps 1–3 of the reuse order), the best-fit and first-fit
+//! searches, the windows that need the fewest driver binds, and which
+//! idle pages to move. Nothing here calls the device.
+
+use crate::arena::{Arena, FreeRange, Guard};
+use crate::config::ReusePolicy;
+use crate::ordering::{Completion, VectorClock};
+use crate::sync::MutexGuard;
+
+/// The arena and what the pool has learnt about completion, under one lock.
+#[derive(Debug)]
+pub(crate) struct ArenaState {
+    pub arena: Arena,
+    /// What is known complete, per stream.
+    pub done: Completion,
+    /// Scratch space of `pick_victims` (no allocation per call).
+    victim_runs: Vec<(usize, usize)>,
+}
+
+impl ArenaState {
+    pub fn new(arena: Arena) -> Self {
+        ArenaState {
+            arena,
+            done: Completion::default(),
+            victim_runs: Vec::new(),
+        }
+    }
+
+    /// Where in the address space a request of `len` bytes is placed: one
+    /// zone per size class (a quarter of the address space each). Small
+    /// blocks apart from large ones, so that short-lived large blocks do
+    /// not leave pages pinned by small long-lived ones; big and huge
+    /// blocks apart from medium ones and from each other, so that each
+    /// class finds its own ranges, and their ghost mappings, again at the
+    /// next step of a training loop instead of the ranges of another class.
+    pub fn zone(&self, len: usize) -> std::ops::Range<usize> {
+        let va = self.arena.va_size();
+        let page = self.arena.page();
+        let quarter = |n: usize| (va / 4 * n) / page * page;
+        if len < SMALL_LIMIT {
+            0..quarter(1)
+        } else if len < BIG_LIMIT {
+            quarter(1)..quarter(2)
+        } else if len < HUGE_LIMIT {
+            quarter(2)..quarter(3)
+        } else {
+            quarter(3)..va
+        }
+    }
+
+    /// Whether a request of `len` bytes is placed first-fit by address
+    /// (medium and big requests): at the lowest window of its zone that
+    /// holds no block in use, whether its pages are mapped there or not.
+    /// Placement then depends on the address space alone, so a training
+    /// loop puts each block where it was one step before, and the pages
+    /// it needs there are that place's ghost mappings, reactivated with no
+    /// driver call. A best fit among mapped ranges, or the window that
+    /// needs the fewest binds, depends on where pages happen to be mapped,
+    /// which moves every step (measured, gpt2-fixed warm pass: 6194 remaps
+    /// that way, 842 first-fit). Huge requests keep the fewest-binds
+    /// window (first-fit there: 24029 remaps).
+    pub fn first_fit(&self, len: usize) -> bool {
+        (SMALL_LIMIT..HUGE_LIMIT).contains(&len)
+    }
+
+    /// Alignment of a request of `len` bytes: big and huge blocks start on
+    /// a page, so that they share no page with a neighbour and their pages
+    /// fall idle, all of them, when they are freed.
+    pub fn align(&self, len: usize) -> usize {
+        if len >= BIG_LIMIT {
+            self.arena.page()
+        } else {
+            1
+        }
+    }
+
+    /// Whether the device work before a free is known to be done (the only
+    /// condition under which its memory may be unmapped or released).
+    pub fn is_complete(&self, guard: Guard) -> bool {
+        self.done.is_complete(guard)
+    }
+
+    /// Whether every free byte of page `p` is known complete, so the page
+    /// may be unmapped, moved or released.
+    pub fn page_complete(&self, p: usize) -> bool {
+        self.arena.page_guards_all(p, |g| self.is_complete(g))
+    }
+
+    /// Steps 1–3: may `me`, whose waits are `clock`, reuse memory under
+    /// `guard` now? `Some(class)`, lower is preferred; `None` = not yet.
+    pub fn classify(
+        &self,
+        guard: Guard,
+        me: u64,
+        clock: &VectorClock,
+        reuse: ReusePolicy,
+    ) -> Option<u8> {
+        match guard {
+            Guard::Complete => Some(0),
+            // 1. Own stream: stream order alone makes it safe.
+            Guard::After { stream, .. } if stream == me => Some(0),
+            // 2. Ordered before us by a host synchronisation...
+            Guard::After { stream, epoch } if self.done.synced(stream) >= epoch => Some(1),
+            // ...or by event waits made through the pool (transitively).
+            Guard::After { stream, epoch }
+                if reuse.follow_event_dependencies && clock.get(stream) >= epoch =>
+            {
+                Some(1)
+            }
+            // 3. Observed complete, no dependency added.
+            Guard::After { stream, epoch }
+                if reuse.opportunistic && self.done.observed(stream) >= epoch =>
+            {
+                Some(2)
+            }
+            Guard::After { .. } => None,
+        }
+    }
+}
+
+/// Requests below this size are placed in the small zone (measured on the
+/// GPT-2 traces: keeping sub-MiB blocks apart lowered the warm-pass
+/// footprint on gpt2-varlen from 1.023 to 1.020 of peak live).
+const SMALL_LIMIT: usize = 1 << 20;
+
+/// Requests from this size on are big: page-aligned, in their own zone.
+/// Rounding every block of at least 16 MiB up to whole pages costs 0.1 %
+/// (gpt2-fixed) and 0.3 % (gpt2-varlen) of peak live; at 4 MiB it would
+/// cost 2.1 % and 2.5 %.
+const BIG_LIMIT: usize = 16 << 20;
+
+/// Requests from this size on are huge (GPT-2's logits buffers) and have a
+/// zone of their own: they need the longest contiguous ranges.
+const HUGE_LIMIT: usize = 256 << 20;
+
+/// The arena's state as the arena's lock hands it out.
+pub(crate) type State<'a> = MutexGuard<'a, ArenaState>;
+
+impl ArenaState {
+    /// [`pick_victims`] with the state's own scratch space.
+    pub fn victims(
+        &mut self,
+        exclude: &std::ops::RangeInclusive<usize>,
+        want: usize,
+    ) -> Vec<usize> {
+        let mut runs = std::mem::take(&mut self.victim_runs);
+        let v = pick_victims(self, exclude, want, &mut runs);
+        self.victim_runs = runs;
+        v
+    }
+}
+
+/// The window of `len` bytes in `zone`, starting on a multiple of `align`,
+/// that needs the fewest driver binds: it may span any run of holes and
+/// free ranges usable by `me` (no block in use inside it). A hole page
+/// costs a bind unless its ghost mapping can come back. Returns (binds,
+/// pages to activate, start); ties go to fewer pages to activate, then to
+/// the lowest address, so that a training loop finds the same window again.
+pub(crate) fn best_window(
+    st: &State<'_>,
+    len: usize,
+    align: usize,
+    zone: &std::ops::Range<usize>,
+    me: u64,
+    clock: &VectorClock,
+    reuse: ReusePolicy,
+) -> Option<(usize, usize, usize)> {
+    let page = st.arena.page();
+    let mut best: Option<(usize, usize, usize)> = None;
+    // Maximal spans [l, r) of usable free ranges and holes.
+    let mut spans: Vec<(usize, usize)> = Vec::new();
+    for (o, l, g) in st.arena.segments(zone) {
+        if g.is_some_and(|g| st.classify(g, me, clock, reuse).is_none()) {
+            continue;
+        }
+        let (lo, hi) = (o.max(zone.start), (o + l).min(zone.end));
+        match spans.last_mut() {
+            Some((_, r)) if *r == lo => *r = hi,
+            _ => spans.push((lo, hi)),
+        }
+    }
+    // Per page of a span, prefix sums of binds and of activations.
+    let mut binds: Vec<usize> = Vec::new();
+    let mut acts: Vec<usize> = Vec::new();
+    for (l, r) in spans {
+        if r - l < len {
+            continue;
+        }
+        // Past the last page ever mapped every window costs all its pages,
+        // and the first of them is the best: stop there.
+        let fresh_from = st
+            .arena
+            .last_mapped_in(l / page..=(r - 1) / page)
+            .map_or(l, |p| ((p + 1) * page).max(l));
+        let r = r.min(fresh_from.next_multiple_of(page).next_multiple_of(align) + len);
+        let (p0, p1) = (l / page, (r - 1) / page);
+        binds.clear();
+        acts.clear();
+        binds.push(0);
+        acts.push(0);
+        for p in p0..=p1 {
+            let hole = !st.arena.is_active(p);
+            let bind = hole && !ghost_available(st, p);
+            binds.push(binds[binds.len() - 1] + bind as usize);
+            acts.push(acts[acts.len() - 1] + hole as usize);
+        }
+        let mut consider = |s: usize| {
+            if s < l || s + len > r || s % align != 0 {
+                return;
+            }
+            let (a, b) = (s / page - p0, (s + len - 1) / page - p0 + 1);
+            let cand = (binds[b] - binds[a], acts[b] - acts[a], s);
+            if best.is_none_or(|b| cand < b) {
+                best = Some(cand);
+            }
+        };
+        // Windows flush with either end of the span or with a page
+        // boundary: between those the cost does not change.
+        consider(l);
+        consider(r - len);
+        for p in p0 + 1..=p1 {
+            consider(p * page);
+            if p * page >= len {
+                consider(p * page - len);
+            }
+        }
+        if align > 1 {
+            consider(l.next_multiple_of(align));
+        }
+    }
+    best
+}
+
+/// The window of `len` bytes in `zone` around one hole, extended by the
+/// usable free ranges on either side, that needs the fewest driver binds;
+/// ties go to fewer pages to activate, then to the tightest span. Returns
+/// (binds, pages to activate, start).
+pub(crate) fn hole_window(
+    st: &State<'_>,
+    len: usize,
+    zone: &std::ops::Range<usize>,
+    me: u64,
+    clock: &VectorClock,
+    reuse: ReusePolicy,
+) -> Option<(usize, usize, usize)> {
+    let page = st.arena.page();
+    // (pages needing driver calls, pages to activate, window length, start)
+    let mut best: Option<(usize, usize, usize, usize)> = None;
+    for (ho, hl) in st.arena.holes() {
+        if ho + hl <= zone.start || ho >= zone.end {
+            continue;
+        }
+        let usable = |g: Guard| st.classify(g, me, clock, reuse).is_some();
+        let mut left = ho;
+        if let Some((fo, fr)) = st.arena.free_ending_at(ho) {
+            if usable(fr.guard) {
+                left = fo;
+            }
+        }
+        let mut right = ho + hl;
+        if let Some(fr) = st.arena.free_at(ho + hl) {
+            if usable(fr.guard) {
+                right = ho + hl + fr.len;
+            }
+        }
+        let (left, right) = (left.max(zone.start), right.min(zone.end));
+        if right < left + len {
+            continue;
+        }
+        for start in [left, right - len] {
+            let lo = start.max(ho);
+            let hi = (start + len).min(ho + hl);
+            let (mut need, mut driver) = (0, 0);
+            if hi > lo {
+                for p in lo / page..=(hi - 1) / page {
+                    need += 1;
+                    if !ghost_available(st, p) {
+                        driver += 1;
+                    }
+                }
+            }
+            let cand = (driver, need, right - left, start);
+            if best.is_none_or(|b| (cand.0, cand.1, cand.2) < (b.0, b.1, b.2)) {
+                best = Some(cand);
+            }
+        }
+    }
+    best.map(|(d, n, _, s)| (d, n, s))
+}
+
+/// Whether the ghost mapping at hole page `p` can be reactivated now: its
+/// physical page is active nowhere, or active at an idle page whose frees
+/// are complete.
+pub(crate) fn ghost_available(st: &State<'_>, p: usize) -> bool {
+    let Some(phys) = st.arena.mapping_at(p) else {
+        return false;
+    };
+    match st.arena.owner(phys) {
+        None => true,
+        Some(q) => st.arena.users(q) == 0 && st.page_complete(q),
+    }
+}
+
+/// Whether physical page `phys` may be taken from where it is active
+/// without disturbing the block being placed.
+pub(crate) fn phys_movable(
+    st: &State<'_>,
+    phys: usize,
+    block: &std::ops::RangeInclusive<usize>,
+) -> bool {
+    st.arena.owner(phys).is_none_or(|q| !block.contains(&q))
+}
+
+/// Completed idle pages to move, taken from the shortest runs of idle
+/// pages first: a long run is a large free range that a large request will
+/// want again, and breaking it up would only move the cost to that request.
+/// Completion is checked only for the pages about to be taken (an idle
+/// page whose frees are pending still counts in its run's length).
+/// `runs` is scratch space (kept by the caller between calls).
+pub(crate) fn pick_victims(
+    st: &ArenaState,
+    exclude: &std::ops::RangeInclusive<usize>,
+    want: usize,
+    runs: &mut Vec<(usize, usize)>,
+) -> Vec<usize> {
+    // idle_pages() is highest first: runs are descending sequences of
+    // consecutive pages, (highest page, length).
+    runs.clear();
+    for p in st.arena.idle_pages().filter(|p| !exclude.contains(p)) {
+        match runs.last_mut() {
+            Some((top, l)) if *top + 1 - *l == p + 1 => *l += 1,
+            _ => runs.push((p, 1)),
+        }
+    }
+    // The highest pages are distinct: the order is total.
+    runs.sort_unstable_by_key(|&(top, l)| (l, std::cmp::Reverse(top)));
+    let mut out = Vec::with_capacity(want);
+    for &(top, l) in runs.iter() {
+        for p in (top + 1 - l..=top).rev() {
+            if out.len() == want {
+                return out;
+            }
+            if st.page_complete(p) {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
+/// Steps 1–3: best fit among free ranges usable now; for first-fit
+/// requests, their window if all its pages are mapped there.
+pub(crate) fn fit(
+    st: &mut State<'_>,
+    len: usize,
+    me: u64,
+    clock: &VectorClock,
+    reuse: ReusePolicy,
+) -> Option<usize> {
+    let zone = st.zone(len);
+    if st.first_fit(len) {
+        let off = {
+            let s: &ArenaState = st;
+            s.arena.first_window(len, s.align(len), &zone, |g| {
+                s.classify(g, me, clock, reuse).is_some()
+            })?
+        };
+        let page = st.arena.page();
+        if !(off / page..=(off + len - 1) / page).all(|p| st.arena.is_active(p)) {
+            return None;
+        }
+        st.arena.take(off, len);
+        return Some(off);
+    }
+    let (off, _) = {
+        let s: &ArenaState = st;
+        s.arena.find_fit(len, s.align(len), &zone, |g| {
+            s.classify(g, me, clock, reuse)
+        })?
+    };
+    st.arena.take(off, len);
+    Some(off)
+}
+
+/// The streams whose pending frees lie in `[s, s+len)` of `run` (free
+/// ranges in address order), each with the latest epoch to wait for; the
+/// ranges usable by `me` now need no wait.
+pub(crate) fn window_donors(
+    st: &ArenaState,
+    run: &[(usize, FreeRange)],
+    s: usize,
+    len: usize,
+    me: u64,
+    clock: &VectorClock,
+    reuse: ReusePolicy,
+) -> Vec<(u64, u64)> {
+    let mut donors: Vec<(u64, u64)> = Vec::new();
+    for &(o, r) in run {
+        if o >= s + len {
+            break;
+        }
+        if o + r.len <= s || st.classify(r.guard, me, clock, reuse).is_some() {
+            continue;
+        }
+        let Guard::After { stream, epoch } = r.guard else {
+            continue;
+        };
+        if st.is_complete(r.guard) {
+            // Known complete (only not reused without a dependency because
+            // opportunistic reuse is off): there is nothing to wait for.
+            continue;
+        }
+        match donors.iter_mut().find(|(d, _)| *d == stream) {
+            Some((_, e)) => *e = (*e).max(epoch),
+            None => donors.push((stream, epoch)),
+        }
+    }
+    donors
+}
