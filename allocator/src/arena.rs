@@ -176,6 +176,10 @@ pub(crate) struct Arena {
     /// Physical pages active nowhere (they may still have ghost mappings).
     spare: Vec<usize>,
     free: BTreeMap<usize, FreeRange>,
+    /// Maximal runs of adjacent free ranges, whatever their guards: start
+    /// to length, and by (length, start). A block may span several ranges
+    /// of a run when each of them is usable by its stream.
+    runs: BTreeMap<usize, usize>,
     by_size: BTreeSet<(usize, usize)>,
     holes: BTreeMap<usize, usize>,
     /// Mapped pages that no block overlaps.
@@ -203,6 +207,7 @@ impl Arena {
             phys: Slab::new(),
             spare: Vec::new(),
             free: BTreeMap::new(),
+            runs: BTreeMap::new(),
             by_size: BTreeSet::new(),
             holes,
             idle: PageSet::new(va_size / page),
@@ -351,13 +356,49 @@ impl Arena {
     fn insert_raw(&mut self, off: usize, range: FreeRange) {
         debug_assert!(range.len > 0);
         self.free.insert(off, range);
-        self.by_size.insert((range.len, off));
     }
 
     fn remove_raw(&mut self, off: usize) -> FreeRange {
-        let r = self.free.remove(&off).expect("free range exists");
-        self.by_size.remove(&(r.len, off));
-        r
+        self.free.remove(&off).expect("free range exists")
+    }
+
+    /// Bytes `[off, off+len)` became free: extend the runs around them.
+    fn run_add(&mut self, mut off: usize, mut len: usize) {
+        if let Some((&lo, &ll)) = self.runs.range(..off).next_back() {
+            if lo + ll == off {
+                self.runs.remove(&lo);
+                self.by_size.remove(&(ll, lo));
+                off = lo;
+                len += ll;
+            }
+        }
+        if let Some(rl) = self.runs.remove(&(off + len)) {
+            self.by_size.remove(&(rl, off + len));
+            len += rl;
+        }
+        self.runs.insert(off, len);
+        self.by_size.insert((len, off));
+    }
+
+    /// Bytes `[off, off+len)`, free, stop being free: split their run.
+    fn run_remove(&mut self, off: usize, len: usize) {
+        let (&ro, &rl) = self
+            .runs
+            .range(..=off)
+            .next_back()
+            .expect("removed bytes lie in a run");
+        assert!(ro + rl >= off + len, "removed bytes lie in a run");
+        self.runs.remove(&ro);
+        self.by_size.remove(&(rl, ro));
+        if off > ro {
+            self.runs.insert(ro, off - ro);
+            self.by_size.insert((off - ro, ro));
+        }
+        if ro + rl > off + len {
+            let (o, l) = (off + len, ro + rl - off - len);
+            self.runs.insert(o, l);
+            self.by_size.insert((l, o));
+        }
     }
 
     /// Add a free range, merging with neighbours whose guards allow it
@@ -377,20 +418,17 @@ impl Arena {
         if let std::collections::btree_map::Entry::Occupied(e) = self.free.entry(off + len) {
             if let Some(g) = e.get().guard.merge(guard) {
                 let r = e.remove();
-                self.by_size.remove(&(r.len, off + len));
                 len += r.len;
                 guard = g;
             }
         }
         match left {
             Some((lo, llen)) => {
-                self.by_size.remove(&(llen, lo));
                 let merged = FreeRange {
                     len: llen + len,
                     guard,
                 };
                 *self.free.get_mut(&lo).expect("left neighbour exists") = merged;
-                self.by_size.insert((merged.len, lo));
             }
             None => self.insert_raw(off, FreeRange { len, guard }),
         }
@@ -423,14 +461,13 @@ impl Arena {
     /// (several adjacent ones when their guards could not merge).
     pub fn take(&mut self, off: usize, len: usize) {
         let end = off + len;
+        self.run_remove(off, len);
         // Usually one free range covers the block: cut it in place.
         if let Some((&o, r)) = self.free.range_mut(..=off).next_back() {
             if o + r.len >= end {
                 let old = *r;
-                self.by_size.remove(&(old.len, o));
                 if o < off {
                     r.len = off - o;
-                    self.by_size.insert((r.len, o));
                 } else {
                     self.free.remove(&o);
                 }
@@ -485,12 +522,18 @@ impl Arena {
     /// Return a block to the free ranges under `guard`.
     pub fn give_back(&mut self, off: usize, len: usize, guard: Guard) {
         self.drop_users(off, len);
+        self.run_add(off, len);
         self.insert_free(off, len, guard);
     }
 
-    /// Best-fit search: the smallest free range of at least `len` bytes,
-    /// preferring lower `class(guard)` (0 is best; `None` = not usable).
-    /// Stops at the first range of class 0.
+    /// Best-fit search: in the smallest run of adjacent free ranges that
+    /// holds it, the lowest window of `len` bytes (in `zone`, starting on a
+    /// multiple of `align`) made of ranges that are all usable: `class` of
+    /// a guard is `None` where it may not be reused, else lower is better
+    /// (0 best); a window's class is the worst of its ranges'. Prefers
+    /// lower classes, stops at the first window of class 0. The ranges of a
+    /// run stay apart (each keeps its guard, so completed bytes stay usable
+    /// by every stream), yet one block may span them.
     pub fn find_fit(
         &self,
         len: usize,
@@ -499,41 +542,124 @@ impl Arena {
         mut class: impl FnMut(Guard) -> Option<u8>,
     ) -> Option<(usize, u8)> {
         let mut best: Option<(usize, u8)> = None;
+        // The ranges of a run of several: (start, end, class).
+        let mut comps: Vec<(usize, usize, Option<u8>)> = Vec::new();
         for &(rlen, roff) in self.by_size.range((len, 0)..) {
-            let off = roff.next_multiple_of(align);
-            if off + len > roff + rlen || off < zone.start || off + len > zone.end {
+            let (lo, hi) = (roff.max(zone.start), (roff + rlen).min(zone.end));
+            if lo >= hi || lo.next_multiple_of(align) + len > hi {
                 continue;
             }
-            let guard = self.free[&roff].guard;
-            if let Some(c) = class(guard) {
+            // One range: no walk.
+            let first = self.free[&roff];
+            if first.len == rlen {
+                if let Some(c) = class(first.guard) {
+                    let off = lo.next_multiple_of(align);
+                    if c == 0 {
+                        return Some((off, 0));
+                    }
+                    if best.is_none_or(|(_, bc)| c < bc) {
+                        best = Some((off, c));
+                    }
+                }
+                continue;
+            }
+            // Several ranges: for each class c present, the spans of
+            // adjacent ranges of class c or better, the tightest first.
+            comps.clear();
+            comps.extend(
+                self.free
+                    .range(roff..roff + rlen)
+                    .map(|(&o, r)| (o, o + r.len, class(r.guard))),
+            );
+            let mut levels: u64 = 0;
+            for &(_, _, c) in &comps {
+                if let Some(c) = c {
+                    levels |= 1 << c.min(63);
+                }
+            }
+            let mut here: Option<(u8, usize, usize)> = None; // (class, span, start)
+            while levels != 0 {
+                let c = levels.trailing_zeros() as u8;
+                levels &= levels - 1;
+                let mut k = 0;
+                while k < comps.len() {
+                    if comps[k].2.is_none_or(|x| x > c) {
+                        k += 1;
+                        continue;
+                    }
+                    let mut m = k;
+                    while m + 1 < comps.len() && comps[m + 1].2.is_some_and(|x| x <= c) {
+                        m += 1;
+                    }
+                    let (so, se) = (comps[k].0.max(lo), comps[m].1.min(hi));
+                    let w = so.next_multiple_of(align);
+                    if w + len <= se {
+                        // The window's class: the worst range it overlaps.
+                        let worst = comps[k..=m]
+                            .iter()
+                            .filter(|&&(o, e, _)| e > w && o < w + len)
+                            .filter_map(|&(_, _, x)| x)
+                            .max()
+                            .unwrap_or(c);
+                        let cand = (worst, se - so, w);
+                        if here.is_none_or(|h| cand < h) {
+                            here = Some(cand);
+                        }
+                    }
+                    k = m + 1;
+                }
+                if here.is_some() {
+                    break;
+                }
+            }
+            if let Some((c, _, w)) = here {
                 if c == 0 {
-                    return Some((off, 0));
+                    return Some((w, 0));
                 }
                 if best.is_none_or(|(_, bc)| c < bc) {
-                    best = Some((off, c));
+                    best = Some((w, c));
                 }
             }
         }
         best
     }
 
-    /// Length of the largest free range.
+    /// Length of the largest run of adjacent free ranges (whatever their
+    /// guards).
     pub fn largest_free(&self) -> usize {
         self.by_size.iter().next_back().map_or(0, |&(l, _)| l)
     }
 
     /// The free range starting at `off`.
+    #[cfg(test)]
     pub fn free_at(&self, off: usize) -> Option<FreeRange> {
         self.free.get(&off).copied()
     }
 
-    /// The free range ending exactly at `end`.
-    pub fn free_ending_at(&self, end: usize) -> Option<(usize, FreeRange)> {
-        self.free
-            .range(..end)
-            .next_back()
-            .filter(|(o, r)| *o + r.len == end)
-            .map(|(o, r)| (*o, *r))
+    /// How far a span starting at `off` extends left over adjacent free
+    /// ranges that are all `usable`: the lowest such start.
+    pub fn usable_from(&self, off: usize, mut usable: impl FnMut(Guard) -> bool) -> usize {
+        let mut at = off;
+        for (&o, r) in self.free.range(..off).rev() {
+            if o + r.len != at || !usable(r.guard) {
+                break;
+            }
+            at = o;
+        }
+        at
+    }
+
+    /// How far a span ending at `end` extends right over adjacent free
+    /// ranges that are all `usable`: the highest such end.
+    pub fn usable_to(&self, end: usize, mut usable: impl FnMut(Guard) -> bool) -> usize {
+        let mut at = end;
+        for (&o, r) in self.free.range(end..) {
+            if o != at || !usable(r.guard) {
+                break;
+            }
+            at = o + r.len;
+        }
+        at
     }
 
     /// Rewrite guards in place (e.g. to `Complete` once completion is known)
@@ -766,6 +892,7 @@ impl Arena {
         self.pages[p].active = true;
         self.phys[phys].owner = Some(p);
         self.idle.insert(p);
+        self.run_add(ps, self.page);
         self.insert_free(ps, self.page, Guard::Complete);
     }
 
@@ -775,6 +902,7 @@ impl Arena {
     pub fn deactivate(&mut self, p: usize) -> usize {
         assert_eq!(self.pages[p].users, 0, "unmapping a page in use");
         let (ps, pe) = (p * self.page, (p + 1) * self.page);
+        self.run_remove(ps, self.page);
         // The free ranges overlapping the page, from the highest down: the
         // parts outside the page stay free.
         while let Some((&o, r)) = self.free.range_mut(..pe).next_back() {
@@ -782,10 +910,8 @@ impl Arena {
                 break;
             }
             let old = *r;
-            self.by_size.remove(&(old.len, o));
             if o < ps {
                 r.len = ps - o;
-                self.by_size.insert((r.len, o));
             } else {
                 self.free.remove(&o);
             }
@@ -848,10 +974,25 @@ impl Arena {
                 }
             }
         }
-        assert_eq!(self.free.len(), self.by_size.len());
+        // The runs are the maximal unions of adjacent free ranges.
+        let mut runs: Vec<(usize, usize)> = Vec::new();
         for (&o, r) in &self.free {
             assert!(r.len > 0, "empty free range at {o}");
-            assert!(self.by_size.contains(&(r.len, o)), "by_size misses {o}");
+            match runs.last_mut() {
+                Some((ro, rl)) if *ro + *rl == o => *rl += r.len,
+                _ => runs.push((o, r.len)),
+            }
+        }
+        assert!(
+            self.runs
+                .iter()
+                .map(|(&o, &l)| (o, l))
+                .eq(runs.iter().copied()),
+            "runs disagree with the free ranges"
+        );
+        assert_eq!(self.runs.len(), self.by_size.len());
+        for (&o, &l) in &self.runs {
+            assert!(self.by_size.contains(&(l, o)), "by_size misses {o}");
         }
         for (i, phys) in self.phys.iter() {
             if let Some(p) = phys.owner {
@@ -1010,8 +1151,9 @@ mod tests {
         );
         a.check();
         // The pending free stays apart from the completed bytes around it
-        // until its completion is known.
-        assert_eq!(a.largest_free(), 2 * PAGE - 4096 - 512);
+        // until its completion is known (one run of free bytes, three
+        // ranges).
+        assert_eq!(a.largest_free(), 2 * PAGE);
         assert_eq!(
             a.free_at(512).map(|r| (r.len, r.guard)),
             Some((
@@ -1045,7 +1187,41 @@ mod tests {
         a.give_back(2 * 4096, 4096, Guard::Complete);
         a.check();
         assert_eq!(a.free_at(2 * 4096).map(|r| r.len), Some(PAGE - 2 * 4096));
-        assert_eq!(a.largest_free(), PAGE - 2 * 4096);
+        assert_eq!(a.largest_free(), PAGE, "one run of three ranges");
+    }
+
+    #[test]
+    fn a_fit_spans_adjacent_ranges_usable_by_the_stream() {
+        let mut a = arena_with_pages(1);
+        // [0, 8 KiB) pending on stream 1, [8, 12 KiB) completed, the rest
+        // of the page in use.
+        a.take(0, 8192);
+        a.take(12288, PAGE - 12288);
+        a.give_back(
+            0,
+            8192,
+            Guard::After {
+                stream: 1,
+                epoch: 1,
+            },
+        );
+        a.check();
+        assert_eq!(a.free_at(0).map(|r| r.len), Some(8192), "kept apart");
+        let as_stream = |me: u64| {
+            move |g| match g {
+                Guard::Complete => Some(0),
+                Guard::After { stream, .. } if stream == me => Some(0),
+                Guard::After { .. } => None,
+            }
+        };
+        let all = 0..usize::MAX;
+        // Stream 1 may use both ranges: one block spans them.
+        assert_eq!(a.find_fit(12288, 1, &all, as_stream(1)), Some((0, 0)));
+        // Stream 2 may use the completed bytes alone.
+        assert_eq!(a.find_fit(12288, 1, &all, as_stream(2)), None);
+        assert_eq!(a.find_fit(4096, 1, &all, as_stream(2)), Some((8192, 0)));
+        a.take(0, 12288);
+        a.check();
     }
 
     #[test]

@@ -235,7 +235,7 @@ pub(crate) fn best_window(
 }
 
 /// The window of `len` bytes in `zone` around one hole, extended by the
-/// usable free ranges on either side, that needs the fewest driver binds;
+/// runs of usable free ranges on either side, that needs the fewest driver binds;
 /// ties go to fewer pages to activate, then to the tightest span. Returns
 /// (binds, pages to activate, start).
 pub(crate) fn hole_window(
@@ -254,18 +254,8 @@ pub(crate) fn hole_window(
             continue;
         }
         let usable = |g: Guard| st.classify(g, me, clock, reuse).is_some();
-        let mut left = ho;
-        if let Some((fo, fr)) = st.arena.free_ending_at(ho) {
-            if usable(fr.guard) {
-                left = fo;
-            }
-        }
-        let mut right = ho + hl;
-        if let Some(fr) = st.arena.free_at(ho + hl) {
-            if usable(fr.guard) {
-                right = ho + hl + fr.len;
-            }
-        }
+        let left = st.arena.usable_from(ho, usable);
+        let right = st.arena.usable_to(ho + hl, usable);
         let (left, right) = (left.max(zone.start), right.min(zone.end));
         if right < left + len {
             continue;
