@@ -186,6 +186,10 @@ pub(crate) struct Arena {
     idle: PageSet,
     /// Pages with a mapping at the driver level (active or ghost).
     mapped: PageSet,
+    /// Per page: when it last fell idle (a count of such events), so
+    /// that stitching can take the pages idle the longest.
+    idle_since: Vec<u64>,
+    idle_clock: u64,
     /// Reused by `settle` (no allocation per call).
     settle_scratch: Vec<(usize, FreeRange, Guard)>,
     reserved: u64,
@@ -212,6 +216,8 @@ impl Arena {
             holes,
             idle: PageSet::new(va_size / page),
             mapped: PageSet::new(va_size / page),
+            idle_since: vec![0; va_size / page],
+            idle_clock: 0,
             settle_scratch: Vec::new(),
             reserved: 0,
             reserved_high: 0,
@@ -453,6 +459,8 @@ impl Arena {
             self.pages[p].users -= 1;
             if self.pages[p].users == 0 {
                 self.idle.insert(p);
+                self.idle_since[p] = self.idle_clock;
+                self.idle_clock += 1;
             }
         }
     }
@@ -847,6 +855,11 @@ impl Arena {
         self.holes.iter().map(|(&o, &l)| (o, l))
     }
 
+    /// When idle page `p` fell idle: lower is longer ago.
+    pub fn idle_since(&self, p: usize) -> u64 {
+        self.idle_since[p]
+    }
+
     /// Mapped pages that no block overlaps, highest first.
     pub fn idle_pages(&self) -> impl Iterator<Item = usize> + '_ {
         self.idle.iter_rev()
@@ -892,6 +905,8 @@ impl Arena {
         self.pages[p].active = true;
         self.phys[phys].owner = Some(p);
         self.idle.insert(p);
+        self.idle_since[p] = self.idle_clock;
+        self.idle_clock += 1;
         self.run_add(ps, self.page);
         self.insert_free(ps, self.page, Guard::Complete);
     }

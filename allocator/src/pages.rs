@@ -131,7 +131,8 @@ impl<D: Device> Pages<'_, D> {
         // one (growth).
         let spare_used = st.arena.spare_len().min(rest.len());
         let victims = if spare_used < rest.len() {
-            st.victims(&block_pages, rest.len() - spare_used)
+            let zone = st.zone_of(start / page);
+            st.victims(&block_pages, zone, rest.len() - spare_used)
         } else {
             Vec::new()
         };

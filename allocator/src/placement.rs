@@ -17,7 +17,7 @@ pub(crate) struct ArenaState {
     /// What is known complete, per stream.
     pub done: Completion,
     /// Scratch space of `pick_victims` (no allocation per call).
-    victim_runs: Vec<(usize, usize)>,
+    victim_runs: Vec<(bool, u64, usize)>,
 }
 
 impl ArenaState {
@@ -49,6 +49,17 @@ impl ArenaState {
         } else {
             quarter(3)..va
         }
+    }
+
+    /// Which quarter of the address space (0 small, 1 medium, 2 big,
+    /// 3 huge) page `p` lies in.
+    pub fn zone_of(&self, p: usize) -> usize {
+        let va = self.arena.va_size();
+        let page = self.arena.page();
+        let off = p * page;
+        (1..4)
+            .take_while(|&n| off >= (va / 4 * n) / page * page)
+            .count()
     }
 
     /// Whether a request of `len` bytes is placed first-fit by address
@@ -144,10 +155,11 @@ impl ArenaState {
     pub fn victims(
         &mut self,
         exclude: &std::ops::RangeInclusive<usize>,
+        zone: usize,
         want: usize,
     ) -> Vec<usize> {
         let mut runs = std::mem::take(&mut self.victim_runs);
-        let v = pick_victims(self, exclude, want, &mut runs);
+        let v = pick_victims(self, exclude, zone, want, &mut runs);
         self.victim_runs = runs;
         v
     }
@@ -304,38 +316,40 @@ pub(crate) fn phys_movable(
     st.arena.owner(phys).is_none_or(|q| !block.contains(&q))
 }
 
-/// Completed idle pages to move, taken from the shortest runs of idle
-/// pages first: a long run is a large free range that a large request will
-/// want again, and breaking it up would only move the cost to that request.
-/// Completion is checked only for the pages about to be taken (an idle
-/// page whose frees are pending still counts in its run's length).
-/// `runs` is scratch space (kept by the caller between calls).
+/// Completed idle pages to move to the zone `zone`: first those whose
+/// physical page has no mapping in that zone yet, then the pages idle the
+/// longest. A physical page mapped twice in one zone is wanted at both
+/// places at once sooner or later (blocks of one size class live
+/// together), and each such clash costs a bind every step of a training
+/// loop; a page idle the longest is the least likely to be wanted back
+/// while the block being placed lives. Completion is checked only for the
+/// pages about to be taken. `scratch` is reused between calls.
 pub(crate) fn pick_victims(
     st: &ArenaState,
     exclude: &std::ops::RangeInclusive<usize>,
+    zone: usize,
     want: usize,
-    runs: &mut Vec<(usize, usize)>,
+    scratch: &mut Vec<(bool, u64, usize)>,
 ) -> Vec<usize> {
-    // idle_pages() is highest first: runs are descending sequences of
-    // consecutive pages, (highest page, length).
-    runs.clear();
+    scratch.clear();
     for p in st.arena.idle_pages().filter(|p| !exclude.contains(p)) {
-        match runs.last_mut() {
-            Some((top, l)) if *top + 1 - *l == p + 1 => *l += 1,
-            _ => runs.push((p, 1)),
-        }
+        let phys = st.arena.mapping_at(p).expect("idle page is mapped");
+        let in_zone = st
+            .arena
+            .mappings(phys)
+            .iter()
+            .any(|&q| st.zone_of(q) == zone);
+        scratch.push((in_zone, st.arena.idle_since(p), p));
     }
-    // The highest pages are distinct: the order is total.
-    runs.sort_unstable_by_key(|&(top, l)| (l, std::cmp::Reverse(top)));
+    // Pages are distinct: the order is total.
+    scratch.sort_unstable();
     let mut out = Vec::with_capacity(want);
-    for &(top, l) in runs.iter() {
-        for p in (top + 1 - l..=top).rev() {
-            if out.len() == want {
-                return out;
-            }
-            if st.page_complete(p) {
-                out.push(p);
-            }
+    for &(_, _, p) in scratch.iter() {
+        if out.len() == want {
+            break;
+        }
+        if st.page_complete(p) {
+            out.push(p);
         }
     }
     out
