@@ -103,6 +103,135 @@ impl PageSet {
     }
 }
 
+/// The maximal spans of the address space that no block uses (free ranges
+/// and holes together), with a max-tree over pages: the leaf of page `p`
+/// holds the length of the longest span starting in `p`, each inner node
+/// the maximum of its children. The lowest span of at least `n` bytes
+/// starting at or after a page is then found in O(log pages), and a span
+/// added, cut or merged updates one leaf per span start (a leaf rescans
+/// the spans starting in its page only when its longest one goes).
+#[derive(Debug, Clone)]
+struct Gaps {
+    spans: BTreeMap<usize, usize>,
+    tree: Vec<usize>,
+    leaves: usize,
+    page: usize,
+}
+
+impl Gaps {
+    fn new(va_size: usize, page: usize) -> Self {
+        let leaves = (va_size / page).next_power_of_two();
+        let mut g = Gaps {
+            spans: BTreeMap::new(),
+            tree: vec![0; 2 * leaves],
+            leaves,
+            page,
+        };
+        g.insert(0, va_size);
+        g
+    }
+
+    fn set_leaf(&mut self, p: usize, v: usize) {
+        let mut i = self.leaves + p;
+        self.tree[i] = v;
+        while i > 1 {
+            i /= 2;
+            let m = self.tree[2 * i].max(self.tree[2 * i + 1]);
+            if self.tree[i] == m {
+                break;
+            }
+            self.tree[i] = m;
+        }
+    }
+
+    fn insert(&mut self, off: usize, len: usize) {
+        self.spans.insert(off, len);
+        let p = off / self.page;
+        if len > self.tree[self.leaves + p] {
+            self.set_leaf(p, len);
+        }
+    }
+
+    fn remove(&mut self, off: usize) -> usize {
+        let len = self.spans.remove(&off).expect("span exists");
+        let p = off / self.page;
+        if len == self.tree[self.leaves + p] {
+            let start = p * self.page;
+            let m = self
+                .spans
+                .range(start..start + self.page)
+                .map(|(_, &l)| l)
+                .max()
+                .unwrap_or(0);
+            self.set_leaf(p, m);
+        }
+        len
+    }
+
+    /// Bytes `[off, off+len)` stop being used: merge with the spans around.
+    fn release(&mut self, mut off: usize, mut len: usize) {
+        if let Some((&lo, &ll)) = self.spans.range(..off).next_back() {
+            if lo + ll == off {
+                self.remove(lo);
+                off = lo;
+                len += ll;
+            }
+        }
+        if self.spans.contains_key(&(off + len)) {
+            len += self.remove(off + len);
+        }
+        self.insert(off, len);
+    }
+
+    /// Bytes `[off, off+len)`, unused, become used: cut their span.
+    fn occupy(&mut self, off: usize, len: usize) {
+        let (&so, &sl) = self
+            .spans
+            .range(..=off)
+            .next_back()
+            .expect("occupied bytes lie in a span");
+        assert!(so + sl >= off + len, "occupied bytes lie in a span");
+        self.remove(so);
+        if off > so {
+            self.insert(so, off - so);
+        }
+        if so + sl > off + len {
+            self.insert(off + len, so + sl - off - len);
+        }
+    }
+
+    /// The lowest page at or after `from` where a span of at least `len`
+    /// bytes starts.
+    fn first_page(&self, from: usize, len: usize) -> Option<usize> {
+        if from >= self.leaves || self.tree[1] < len {
+            return None;
+        }
+        // Up from the leaf until a right sibling holds a long enough span,
+        // then down to its leftmost such leaf.
+        let mut i = self.leaves + from;
+        if self.tree[i] < len {
+            loop {
+                if i == 1 {
+                    return None;
+                }
+                if i % 2 == 0 && self.tree[i + 1] >= len {
+                    i += 1;
+                    break;
+                }
+                i /= 2;
+            }
+        }
+        while i < self.leaves {
+            i = if self.tree[2 * i] >= len {
+                2 * i
+            } else {
+                2 * i + 1
+            };
+        }
+        Some(i - self.leaves)
+    }
+}
+
 /// When a free range may be reused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Guard {
@@ -182,6 +311,8 @@ pub(crate) struct Arena {
     runs: BTreeMap<usize, usize>,
     by_size: BTreeSet<(usize, usize)>,
     holes: BTreeMap<usize, usize>,
+    /// The spans no block uses, for first fit by address.
+    gaps: Gaps,
     /// Mapped pages that no block overlaps.
     idle: PageSet,
     /// Pages with a mapping at the driver level (active or ghost).
@@ -214,6 +345,7 @@ impl Arena {
             runs: BTreeMap::new(),
             by_size: BTreeSet::new(),
             holes,
+            gaps: Gaps::new(va_size, page),
             idle: PageSet::new(va_size / page),
             mapped: PageSet::new(va_size / page),
             idle_since: vec![0; va_size / page],
@@ -470,6 +602,7 @@ impl Arena {
     pub fn take(&mut self, off: usize, len: usize) {
         let end = off + len;
         self.run_remove(off, len);
+        self.gaps.occupy(off, len);
         // Usually one free range covers the block: cut it in place.
         if let Some((&o, r)) = self.free.range_mut(..=off).next_back() {
             if o + r.len >= end {
@@ -531,6 +664,7 @@ impl Arena {
     pub fn give_back(&mut self, off: usize, len: usize, guard: Guard) {
         self.drop_users(off, len);
         self.run_add(off, len);
+        self.gaps.release(off, len);
         self.insert_free(off, len, guard);
     }
 
@@ -785,8 +919,72 @@ impl Arena {
     /// The lowest `start`, a multiple of `align`, such that `[start,
     /// start + len)` lies in `zone` and holds only holes and free ranges
     /// whose guard is `usable` (no block in use). It depends on the address
-    /// space alone, not on which pages are mapped where.
+    /// space alone, not on which pages are mapped where. The spans with no
+    /// block in use are found through their max-tree, lowest first; only
+    /// the free ranges inside a candidate window are looked at.
     pub fn first_window(
+        &self,
+        len: usize,
+        align: usize,
+        zone: &std::ops::Range<usize>,
+        mut usable: impl FnMut(Guard) -> bool,
+    ) -> Option<usize> {
+        if len == 0 || zone.start >= zone.end {
+            return None;
+        }
+        // The lowest usable window inside the span [o, o+l), if any.
+        let mut in_span = |o: usize, l: usize| -> Option<usize> {
+            let hi = (o + l).min(zone.end);
+            let mut s = o.max(zone.start).next_multiple_of(align);
+            'window: while s + len <= hi {
+                let fs = self.free.range(..=s).next_back().map_or(s, |(&fo, _)| fo);
+                for (&fo, r) in self.free.range(fs..s + len) {
+                    if fo + r.len > s && !usable(r.guard) {
+                        s = (fo + r.len).next_multiple_of(align);
+                        continue 'window;
+                    }
+                }
+                return Some(s);
+            }
+            None
+        };
+        // The span holding the zone's start...
+        let mut from = zone.start;
+        if let Some((&o, &l)) = self.gaps.spans.range(..=zone.start).next_back() {
+            if o + l > zone.start {
+                if let Some(s) = in_span(o, l) {
+                    return Some(s);
+                }
+            }
+            from = zone.start + 1;
+        }
+        // ...then the spans starting after it, lowest first, long enough.
+        let page = self.page;
+        let mut p = from / page;
+        while let Some(q) = self.gaps.first_page(p, len) {
+            let lo = (q * page).max(from);
+            if lo + len > zone.end {
+                return None;
+            }
+            for (&o, &l) in self.gaps.spans.range(lo..(q + 1) * page) {
+                if l >= len {
+                    if let Some(s) = in_span(o, l) {
+                        return Some(s);
+                    }
+                }
+            }
+            p = q + 1;
+        }
+        None
+    }
+
+    /// `first_window` by a walk over every free range and hole of the
+    /// zone (the model the index is tested against): the lowest `start`, a multiple of `align`, such that `[start,
+    /// start + len)` lies in `zone` and holds only holes and free ranges
+    /// whose guard is `usable` (no block in use). It depends on the address
+    /// space alone, not on which pages are mapped where.
+    #[cfg(test)]
+    fn first_window_linear(
         &self,
         len: usize,
         align: usize,
@@ -1005,6 +1203,36 @@ impl Arena {
                 .eq(runs.iter().copied()),
             "runs disagree with the free ranges"
         );
+        // The gaps are the maximal unions of free ranges and holes.
+        let mut gaps: Vec<(usize, usize)> = Vec::new();
+        for &(o, l, _) in &items {
+            match gaps.last_mut() {
+                Some((go, gl)) if *go + *gl == o => *gl += l,
+                _ => gaps.push((o, l)),
+            }
+        }
+        assert!(
+            self.gaps
+                .spans
+                .iter()
+                .map(|(&o, &l)| (o, l))
+                .eq(gaps.iter().copied()),
+            "gaps disagree with the free ranges and holes"
+        );
+        for p in 0..self.gaps.leaves {
+            let want = self
+                .gaps
+                .spans
+                .range(p * self.page..(p + 1) * self.page)
+                .map(|(_, &l)| l)
+                .max()
+                .unwrap_or(0);
+            assert_eq!(self.gaps.tree[self.gaps.leaves + p], want, "leaf {p}");
+        }
+        for i in 1..self.gaps.leaves {
+            let t = &self.gaps.tree;
+            assert_eq!(t[i], t[2 * i].max(t[2 * i + 1]), "node {i}");
+        }
         assert_eq!(self.runs.len(), self.by_size.len());
         for (&o, &l) in &self.runs {
             assert!(self.by_size.contains(&(l, o)), "by_size misses {o}");
@@ -1141,6 +1369,110 @@ mod tests {
                 }
             }
             a.check();
+        }
+    }
+
+    /// Operations of the index property test: (kind, a, b), read modulo
+    /// what exists when the operation runs.
+    fn index_ops() -> impl proptest::strategy::Strategy<Value = Vec<(u8, u32, u32)>> {
+        use proptest::prelude::*;
+        proptest::collection::vec((0u8..8, any::<u32>(), any::<u32>()), 1..120)
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(200))]
+        /// The indexed first fit agrees with a walk over every range, and
+        /// the gap index with the free ranges and holes, after any
+        /// sequence of takes, gives, settles and page moves.
+        #[test]
+        fn first_window_agrees_with_the_linear_walk(ops in index_ops()) {
+            const SMALL: usize = 1 << 16;
+            let mut a = Arena::new(16 * SMALL, SMALL);
+            for p in 0..6 {
+                let idx = a.phys.insert(PhysPage {
+                    handle: Physical(p as u64),
+                    owner: None,
+                    mappings: Vec::new(),
+                });
+                a.record_mapping(2 * p, idx);
+                a.activate(2 * p, idx);
+            }
+            let mut live: Vec<(usize, usize)> = Vec::new();
+            for (step, &(kind, x, y)) in ops.iter().enumerate() {
+                let (x, y) = (x as usize, y as usize);
+                match kind {
+                    0..=2 => {
+                        let ranges: Vec<(usize, FreeRange)> = a.free_ranges().collect();
+                        if ranges.is_empty() {
+                            continue;
+                        }
+                        let (o, r) = ranges[x % ranges.len()];
+                        let skip = if y % 2 == 0 { 0 } else { (y >> 1) % r.len };
+                        let len = 1 + (y >> 8) % (r.len - skip);
+                        a.take(o + skip, len);
+                        live.push((o + skip, len));
+                    }
+                    3 | 4 if !live.is_empty() => {
+                        let (o, l) = live.swap_remove(x % live.len());
+                        let guard = match y % 3 {
+                            0 => Guard::Complete,
+                            s => Guard::After {
+                                stream: s as u64,
+                                epoch: step as u64,
+                            },
+                        };
+                        a.give_back(o, l, guard);
+                    }
+                    5 => a.settle(|g| match g {
+                        Guard::After { stream: 1, .. } => Some(Guard::Complete),
+                        _ => None,
+                    }),
+                    6 => {
+                        // Move an idle page into a hole.
+                        let idle: Vec<usize> = a.idle_pages().collect();
+                        let holes: Vec<usize> = (0..16).filter(|&p| !a.is_active(p)).collect();
+                        if idle.is_empty() || holes.is_empty() {
+                            continue;
+                        }
+                        let from = idle[x % idle.len()];
+                        let to = holes[y % holes.len()];
+                        let phys = a.deactivate(from);
+                        if a.mapping_at(to) != Some(phys) {
+                            if a.mapping_at(to).is_some() {
+                                a.forget_mapping(to);
+                            }
+                            a.record_mapping(to, phys);
+                        }
+                        a.activate(to, phys);
+                    }
+                    _ => {
+                        // Half the time exactly the length of a span
+                        // with no block in use (the edge of every test).
+                        let spans: Vec<usize> = a.gaps.spans.values().copied().collect();
+                        let len = if x % 2 == 0 {
+                            spans[(x >> 1) % spans.len()]
+                        } else {
+                            1 + x % (6 * SMALL)
+                        };
+                        let align = [1, 512, SMALL][y % 3];
+                        let lo = (y >> 2) % (16 * SMALL);
+                        let hi = lo + (y >> 4) % (16 * SMALL - lo + 1);
+                        let zone = lo..hi;
+                        for stream in 1..=3u64 {
+                            let usable = |g: Guard| match g {
+                                Guard::Complete => true,
+                                Guard::After { stream: s, .. } => s == stream || s == 3,
+                            };
+                            proptest::prop_assert_eq!(
+                                a.first_window(len, align, &zone, usable),
+                                a.first_window_linear(len, align, &zone, usable),
+                                "len {} align {} zone {:?} stream {}", len, align, zone, stream
+                            );
+                        }
+                    }
+                }
+                a.check();
+            }
         }
     }
 
