@@ -321,6 +321,9 @@ pub(crate) struct Arena {
     /// that stitching can take the pages idle the longest.
     idle_since: Vec<u64>,
     idle_clock: u64,
+    /// The pending free ranges by (stream, epoch, offset): `settle` looks
+    /// only at these, per stream, oldest first.
+    pending: BTreeSet<(u64, u64, usize)>,
     /// Reused by `settle` (no allocation per call).
     settle_scratch: Vec<(usize, FreeRange, Guard)>,
     reserved: u64,
@@ -350,6 +353,7 @@ impl Arena {
             mapped: PageSet::new(va_size / page),
             idle_since: vec![0; va_size / page],
             idle_clock: 0,
+            pending: BTreeSet::new(),
             settle_scratch: Vec::new(),
             reserved: 0,
             reserved_high: 0,
@@ -494,10 +498,25 @@ impl Arena {
     fn insert_raw(&mut self, off: usize, range: FreeRange) {
         debug_assert!(range.len > 0);
         self.free.insert(off, range);
+        self.index_pending(off, range.guard);
     }
 
     fn remove_raw(&mut self, off: usize) -> FreeRange {
-        self.free.remove(&off).expect("free range exists")
+        let r = self.free.remove(&off).expect("free range exists");
+        self.unindex_pending(off, r.guard);
+        r
+    }
+
+    fn index_pending(&mut self, off: usize, guard: Guard) {
+        if let Guard::After { stream, epoch } = guard {
+            self.pending.insert((stream, epoch, off));
+        }
+    }
+
+    fn unindex_pending(&mut self, off: usize, guard: Guard) {
+        if let Guard::After { stream, epoch } = guard {
+            self.pending.remove(&(stream, epoch, off));
+        }
     }
 
     /// Bytes `[off, off+len)` became free: extend the runs around them.
@@ -556,6 +575,7 @@ impl Arena {
         if let std::collections::btree_map::Entry::Occupied(e) = self.free.entry(off + len) {
             if let Some(g) = e.get().guard.merge(guard) {
                 let r = e.remove();
+                self.unindex_pending(off + len, r.guard);
                 len += r.len;
                 guard = g;
             }
@@ -566,7 +586,12 @@ impl Arena {
                     len: llen + len,
                     guard,
                 };
-                *self.free.get_mut(&lo).expect("left neighbour exists") = merged;
+                let slot = self.free.get_mut(&lo).expect("left neighbour exists");
+                let old = std::mem::replace(slot, merged).guard;
+                if old != guard {
+                    self.unindex_pending(lo, old);
+                    self.index_pending(lo, guard);
+                }
             }
             None => self.insert_raw(off, FreeRange { len, guard }),
         }
@@ -610,7 +635,7 @@ impl Arena {
                 if o < off {
                     r.len = off - o;
                 } else {
-                    self.free.remove(&o);
+                    self.remove_raw(o);
                 }
                 if o + old.len > end {
                     self.insert_raw(
@@ -804,16 +829,31 @@ impl Arena {
         at
     }
 
-    /// Rewrite guards in place (e.g. to `Complete` once completion is known)
-    /// and merge the neighbours that then can be merged.
+    /// Rewrite guards of pending ranges (e.g. to `Complete` once
+    /// completion is known) and merge the neighbours that then can be
+    /// merged. `upgrade` must be monotone in the epoch (a stream's frees
+    /// complete in order): for each stream, its pending ranges are looked
+    /// at oldest first and the first one left as it is ends that stream's
+    /// turn, so a stream whose completion has not moved costs one look.
     pub fn settle(&mut self, mut upgrade: impl FnMut(Guard) -> Option<Guard>) {
         let mut changed = std::mem::take(&mut self.settle_scratch);
         changed.clear();
-        changed.extend(
-            self.free
-                .iter()
-                .filter_map(|(&o, &r)| upgrade(r.guard).map(|g| (o, r, g))),
-        );
+        let mut next = self.pending.iter().next().map(|k| k.0);
+        while let Some(stream) = next {
+            for &(_, epoch, off) in self
+                .pending
+                .range((stream, 0, 0)..=(stream, u64::MAX, usize::MAX))
+            {
+                match upgrade(Guard::After { stream, epoch }) {
+                    Some(g) => changed.push((off, self.free[&off], g)),
+                    None => break,
+                }
+            }
+            next = stream
+                .checked_add(1)
+                .and_then(|s| self.pending.range((s, 0, 0)..).next().map(|k| k.0));
+        }
+        changed.sort_unstable_by_key(|c| c.0);
         // Re-inserting a range merges it with both neighbours where the
         // guards allow, so neighbours upgraded in any order end up merged.
         // A range already merged into an earlier one (under its old
@@ -840,6 +880,38 @@ impl Arena {
             }
         }
         self.settle_scratch = changed;
+    }
+
+    /// `settle` by a scan of every free range (the model the index is
+    /// tested against).
+    #[cfg(test)]
+    fn settle_linear(&mut self, mut upgrade: impl FnMut(Guard) -> Option<Guard>) {
+        let changed: Vec<(usize, FreeRange, Guard)> = self
+            .free
+            .iter()
+            .filter_map(|(&o, &r)| upgrade(r.guard).map(|g| (o, r, g)))
+            .collect();
+        for (o, r, g) in changed {
+            if self
+                .free
+                .get(&o)
+                .is_some_and(|cur| cur.len == r.len && cur.guard == r.guard)
+            {
+                self.remove_raw(o);
+                self.insert_free(o, r.len, g);
+                continue;
+            }
+            let Some((&start, &cur)) = self.free.range(..=o).next_back() else {
+                continue;
+            };
+            if start + cur.len <= o {
+                continue;
+            }
+            if let Some(g) = upgrade(cur.guard) {
+                self.remove_raw(start);
+                self.insert_free(start, cur.len, g);
+            }
+        }
     }
 
     /// Every free range, for a pass over all of them.
@@ -1126,7 +1198,7 @@ impl Arena {
             if o < ps {
                 r.len = ps - o;
             } else {
-                self.free.remove(&o);
+                self.remove_raw(o);
             }
             if o + old.len > pe {
                 self.insert_raw(
@@ -1233,6 +1305,15 @@ impl Arena {
             let t = &self.gaps.tree;
             assert_eq!(t[i], t[2 * i].max(t[2 * i + 1]), "node {i}");
         }
+        let pending: BTreeSet<(u64, u64, usize)> = self
+            .free
+            .iter()
+            .filter_map(|(&o, r)| match r.guard {
+                Guard::After { stream, epoch } => Some((stream, epoch, o)),
+                Guard::Complete => None,
+            })
+            .collect();
+        assert_eq!(self.pending, pending, "pending index disagrees");
         assert_eq!(self.runs.len(), self.by_size.len());
         for (&o, &l) in &self.runs {
             assert!(self.by_size.contains(&(l, o)), "by_size misses {o}");
@@ -1469,6 +1550,68 @@ mod tests {
                                 "len {} align {} zone {:?} stream {}", len, align, zone, stream
                             );
                         }
+                    }
+                }
+                a.check();
+            }
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(200))]
+        /// Settling through the per-stream index leaves the same free
+        /// ranges as a scan of every range, whatever the takes, frees and
+        /// completions before it.
+        #[test]
+        fn settle_by_stream_agrees_with_the_full_scan(ops in index_ops()) {
+            let mut a = arena_with_pages(4);
+            let mut b = arena_with_pages(4);
+            let mut done = [0u64; 4];
+            let mut live: Vec<(usize, usize)> = Vec::new();
+            for (step, &(kind, x, y)) in ops.iter().enumerate() {
+                let (x, y) = (x as usize, y as usize);
+                match kind {
+                    0..=2 => {
+                        let ranges: Vec<(usize, FreeRange)> = a.free_ranges().collect();
+                        if ranges.is_empty() {
+                            continue;
+                        }
+                        let (o, r) = ranges[x % ranges.len()];
+                        let skip = if y % 2 == 0 { 0 } else { (y >> 1) % r.len };
+                        let len = 1 + (y >> 8) % (r.len - skip).min(1 << 20);
+                        a.take(o + skip, len);
+                        b.take(o + skip, len);
+                        live.push((o + skip, len));
+                    }
+                    3 | 4 if !live.is_empty() => {
+                        let (o, l) = live.swap_remove(x % live.len());
+                        let guard = match y % 4 {
+                            0 => Guard::Complete,
+                            s => Guard::After {
+                                stream: s as u64,
+                                epoch: step as u64 + 1,
+                            },
+                        };
+                        a.give_back(o, l, guard);
+                        b.give_back(o, l, guard);
+                    }
+                    _ => {
+                        // Some stream's completion moves forward.
+                        let s = 1 + x % 3;
+                        done[s] = done[s].max((y % (step + 2)) as u64);
+                        let upgrade = |g| match g {
+                            Guard::After { stream, epoch } if done[stream as usize] >= epoch => {
+                                Some(Guard::Complete)
+                            }
+                            _ => None,
+                        };
+                        a.settle(upgrade);
+                        b.settle_linear(upgrade);
+                        proptest::prop_assert!(
+                            a.free_ranges().map(|(o, r)| (o, r.len, r.guard))
+                                .eq(b.free_ranges().map(|(o, r)| (o, r.len, r.guard))),
+                            "settle differs from the full scan at step {}", step
+                        );
                     }
                 }
                 a.check();
