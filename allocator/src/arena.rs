@@ -116,19 +116,31 @@ struct Gaps {
     tree: Vec<usize>,
     leaves: usize,
     page: usize,
+    /// The part of the address space the spans cover (first fit is used
+    /// there only): spans are cut at its ends.
+    region: std::ops::Range<usize>,
 }
 
 impl Gaps {
-    fn new(va_size: usize, page: usize) -> Self {
+    fn new(va_size: usize, page: usize, region: std::ops::Range<usize>) -> Self {
         let leaves = (va_size / page).next_power_of_two();
         let mut g = Gaps {
             spans: BTreeMap::new(),
             tree: vec![0; 2 * leaves],
             leaves,
             page,
+            region: region.clone(),
         };
-        g.insert(0, va_size);
+        if region.start < region.end {
+            g.insert(region.start, region.end - region.start);
+        }
         g
+    }
+
+    /// `[off, off+len)` cut to the region, if anything is left.
+    fn clip(&self, off: usize, len: usize) -> Option<(usize, usize)> {
+        let (lo, hi) = (off.max(self.region.start), (off + len).min(self.region.end));
+        (lo < hi).then(|| (lo, hi - lo))
     }
 
     fn set_leaf(&mut self, p: usize, v: usize) {
@@ -169,7 +181,20 @@ impl Gaps {
     }
 
     /// Bytes `[off, off+len)` stop being used: merge with the spans around.
-    fn release(&mut self, mut off: usize, mut len: usize) {
+    fn release(&mut self, off: usize, len: usize) {
+        if let Some((o, l)) = self.clip(off, len) {
+            self.release_in(o, l);
+        }
+    }
+
+    /// Bytes `[off, off+len)`, unused, become used: cut their span.
+    fn occupy(&mut self, off: usize, len: usize) {
+        if let Some((o, l)) = self.clip(off, len) {
+            self.occupy_in(o, l);
+        }
+    }
+
+    fn release_in(&mut self, mut off: usize, mut len: usize) {
         if let Some((&lo, &ll)) = self.spans.range(..off).next_back() {
             if lo + ll == off {
                 self.remove(lo);
@@ -183,8 +208,7 @@ impl Gaps {
         self.insert(off, len);
     }
 
-    /// Bytes `[off, off+len)`, unused, become used: cut their span.
-    fn occupy(&mut self, off: usize, len: usize) {
+    fn occupy_in(&mut self, off: usize, len: usize) {
         let (&so, &sl) = self
             .spans
             .range(..=off)
@@ -310,6 +334,8 @@ pub(crate) struct Arena {
     /// of a run when each of them is usable by its stream.
     runs: BTreeMap<usize, usize>,
     by_size: BTreeSet<(usize, usize)>,
+    /// Where best fit is used (see `set_best_fit_regions`).
+    fit_regions: Vec<std::ops::Range<usize>>,
     holes: BTreeMap<usize, usize>,
     /// The spans no block uses, for first fit by address.
     gaps: Gaps,
@@ -346,9 +372,10 @@ impl Arena {
             spare: Vec::new(),
             free: BTreeMap::new(),
             runs: BTreeMap::new(),
+            fit_regions: std::iter::once(0..va_size).collect(),
             by_size: BTreeSet::new(),
             holes,
-            gaps: Gaps::new(va_size, page),
+            gaps: Gaps::new(va_size, page, 0..va_size),
             idle: PageSet::new(va_size / page),
             mapped: PageSet::new(va_size / page),
             idle_since: vec![0; va_size / page],
@@ -519,8 +546,66 @@ impl Arena {
         }
     }
 
-    /// Bytes `[off, off+len)` became free: extend the runs around them.
-    fn run_add(&mut self, mut off: usize, mut len: usize) {
+    /// Best fit (and so the runs) is used only inside these ranges of the
+    /// address space (the whole of it unless told otherwise); elsewhere
+    /// keeping the runs would cost every take and free for nothing.
+    pub fn set_best_fit_regions(&mut self, regions: Vec<std::ops::Range<usize>>) {
+        assert!(
+            self.free.is_empty(),
+            "regions are set before any page is mapped"
+        );
+        for w in regions.windows(2) {
+            assert!(w[0].end < w[1].start, "regions are sorted and apart");
+        }
+        self.fit_regions = regions;
+    }
+
+    /// First fit by address is used only inside `region` (the whole space
+    /// unless told otherwise): the index of spans with no block in use
+    /// covers it alone. Set before any page is mapped.
+    pub fn set_first_fit_region(&mut self, region: std::ops::Range<usize>) {
+        assert!(
+            self.free.is_empty(),
+            "the region is set before any page is mapped"
+        );
+        assert!(region.end <= self.va_size(), "the region lies in the space");
+        self.gaps = Gaps::new(self.va_size(), self.page, region);
+    }
+
+    /// The parts of `[off, off+len)` inside the best-fit regions.
+    #[cfg(test)]
+    fn in_fit_regions(&self, off: usize, len: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.fit_regions.iter().filter_map(move |r| {
+            let (lo, hi) = (off.max(r.start), (off + len).min(r.end));
+            (lo < hi).then(|| (lo, hi - lo))
+        })
+    }
+
+    /// Bytes `[off, off+len)` became free: extend the runs around them
+    /// (inside the best-fit regions).
+    fn run_add(&mut self, off: usize, len: usize) {
+        for i in 0..self.fit_regions.len() {
+            let r = &self.fit_regions[i];
+            let (lo, hi) = (off.max(r.start), (off + len).min(r.end));
+            if lo < hi {
+                self.run_add_in(lo, hi - lo);
+            }
+        }
+    }
+
+    /// Bytes `[off, off+len)`, free, stop being free: split their run
+    /// (inside the best-fit regions).
+    fn run_remove(&mut self, off: usize, len: usize) {
+        for i in 0..self.fit_regions.len() {
+            let r = &self.fit_regions[i];
+            let (lo, hi) = (off.max(r.start), (off + len).min(r.end));
+            if lo < hi {
+                self.run_remove_in(lo, hi - lo);
+            }
+        }
+    }
+
+    fn run_add_in(&mut self, mut off: usize, mut len: usize) {
         if let Some((&lo, &ll)) = self.runs.range(..off).next_back() {
             if lo + ll == off {
                 self.runs.remove(&lo);
@@ -537,8 +622,7 @@ impl Arena {
         self.by_size.insert((len, off));
     }
 
-    /// Bytes `[off, off+len)`, free, stop being free: split their run.
-    fn run_remove(&mut self, off: usize, len: usize) {
+    fn run_remove_in(&mut self, off: usize, len: usize) {
         let (&ro, &rl) = self
             .runs
             .range(..=off)
@@ -794,7 +878,15 @@ impl Arena {
     /// Length of the largest run of adjacent free ranges (whatever their
     /// guards).
     pub fn largest_free(&self) -> usize {
-        self.by_size.iter().next_back().map_or(0, |&(l, _)| l)
+        let (mut best, mut run) = (0, None::<(usize, usize)>);
+        for (&o, r) in &self.free {
+            run = match run {
+                Some((ro, rl)) if ro + rl == o => Some((ro, rl + r.len)),
+                _ => Some((o, r.len)),
+            };
+            best = best.max(run.map_or(0, |(_, l)| l));
+        }
+        best
     }
 
     /// The free range starting at `off`.
@@ -1004,6 +1096,11 @@ impl Arena {
         if len == 0 || zone.start >= zone.end {
             return None;
         }
+        let region = &self.gaps.region;
+        if zone.start < region.start || zone.end > region.end {
+            // Outside the indexed region: walk the zone.
+            return self.first_window_linear(len, align, zone, usable);
+        }
         // The lowest usable window inside the span [o, o+l), if any.
         let mut in_span = |o: usize, l: usize| -> Option<usize> {
             let hi = (o + l).min(zone.end);
@@ -1050,12 +1147,12 @@ impl Arena {
         None
     }
 
-    /// `first_window` by a walk over every free range and hole of the
-    /// zone (the model the index is tested against): the lowest `start`, a multiple of `align`, such that `[start,
+    /// `first_window` by a walk over every free range and hole of the zone
+    /// (where the index does not reach, and the model it is tested
+    /// against): the lowest `start`, a multiple of `align`, such that `[start,
     /// start + len)` lies in `zone` and holds only holes and free ranges
     /// whose guard is `usable` (no block in use). It depends on the address
     /// space alone, not on which pages are mapped where.
-    #[cfg(test)]
     fn first_window_linear(
         &self,
         len: usize,
@@ -1263,9 +1360,11 @@ impl Arena {
         let mut runs: Vec<(usize, usize)> = Vec::new();
         for (&o, r) in &self.free {
             assert!(r.len > 0, "empty free range at {o}");
-            match runs.last_mut() {
-                Some((ro, rl)) if *ro + *rl == o => *rl += r.len,
-                _ => runs.push((o, r.len)),
+            for (po, pl) in self.in_fit_regions(o, r.len) {
+                match runs.last_mut() {
+                    Some((ro, rl)) if *ro + *rl == po => *rl += pl,
+                    _ => runs.push((po, pl)),
+                }
             }
         }
         assert!(
@@ -1277,7 +1376,7 @@ impl Arena {
         );
         // The gaps are the maximal unions of free ranges and holes.
         let mut gaps: Vec<(usize, usize)> = Vec::new();
-        for &(o, l, _) in &items {
+        for (o, l) in items.iter().filter_map(|&(o, l, _)| self.gaps.clip(o, l)) {
             match gaps.last_mut() {
                 Some((go, gl)) if *go + *gl == o => *gl += l,
                 _ => gaps.push((o, l)),
@@ -1469,6 +1568,12 @@ mod tests {
         fn first_window_agrees_with_the_linear_walk(ops in index_ops()) {
             const SMALL: usize = 1 << 16;
             let mut a = Arena::new(16 * SMALL, SMALL);
+            // Runs kept in two parts of the space only (check() verifies
+            // them there).
+            a.set_best_fit_regions(vec![0..5 * SMALL + 100, 9 * SMALL..16 * SMALL]);
+            // The index covers a part of the space; zones outside it take
+            // the walk, zones inside it the index.
+            a.set_first_fit_region(SMALL + 512..15 * SMALL);
             for p in 0..6 {
                 let idx = a.phys.insert(PhysPage {
                     handle: Physical(p as u64),

@@ -21,7 +21,16 @@ pub(crate) struct ArenaState {
 }
 
 impl ArenaState {
-    pub fn new(arena: Arena) -> Self {
+    pub fn new(mut arena: Arena) -> Self {
+        // Best fit serves the small and huge zones only, first fit the
+        // medium and big ones: each index is kept where it is used.
+        let (va, page) = (arena.va_size(), arena.page());
+        let quarter = |n: usize| (va / 4 * n) / page * page;
+        if quarter(1) < quarter(3) {
+            arena.set_best_fit_regions(vec![0..quarter(1), quarter(3)..va]);
+            // First fit serves the medium and big zones only.
+            arena.set_first_fit_region(quarter(1)..quarter(3));
+        }
         ArenaState {
             arena,
             done: Completion::default(),
