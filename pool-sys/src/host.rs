@@ -565,7 +565,6 @@ impl HostDevice {
             if let std::collections::hash_map::Entry::Vacant(e) = captures.entry(stream.0) {
                 e.insert(CaptureEntry {
                     mode: CaptureMode::Global,
-                    thread: std::thread::current().id(),
                     recording: None,
                 });
                 s.capture_id.store(next_id(), Ordering::Release);

@@ -185,7 +185,6 @@ pub(crate) struct Recording {
 #[derive(Clone)]
 pub(crate) struct CaptureEntry {
     pub(crate) mode: CaptureMode,
-    pub(crate) thread: ThreadId,
     /// `None` for the [`HostDevice::set_capturing`] test aid (work still runs).
     pub(crate) recording: Option<Arc<Recording>>,
 }
@@ -477,7 +476,6 @@ impl HostDevice {
             stream.0,
             CaptureEntry {
                 mode,
-                thread: rec.thread,
                 recording: Some(Arc::clone(&rec)),
             },
         );
