@@ -57,9 +57,18 @@ pub(crate) enum CaptureTag {
 }
 
 /// The pool's capture state: the number of announced captures in progress.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct CaptureState {
     announced: AtomicU64,
+}
+
+impl Default for CaptureState {
+    // By hand: loom's atomics (under `cfg(loom)`) have no `Default`.
+    fn default() -> Self {
+        CaptureState {
+            announced: AtomicU64::new(0),
+        }
+    }
 }
 
 impl CaptureState {
@@ -119,11 +128,27 @@ pub(crate) fn alloc_route<D: Device + ?Sized>(
     device: &D,
     stream: Stream,
 ) -> Result<AllocRoute, PoolError> {
-    match device.capture_status(stream)? {
+    match capturing(device, stream)? {
         CaptureStatus::None => Ok(AllocRoute::Pool),
         CaptureStatus::Active { id } => Ok(AllocRoute::Graph(id)),
         CaptureStatus::Invalidated { .. } => Err(PoolError::StreamCapturing { stream }),
     }
+}
+
+/// The stream's capture status, asked the cheap way first: the plain
+/// capture query (the one call of a stream that is not capturing, as
+/// before capture was served), then, only when it says yes, the status
+/// with the capture's id. A stream the driver will not describe (the
+/// legacy stream while another stream captures in global mode) is
+/// refused as capturing.
+#[inline]
+fn capturing<D: Device + ?Sized>(device: &D, stream: Stream) -> Result<CaptureStatus, PoolError> {
+    if !device.is_capturing(stream)? {
+        return Ok(CaptureStatus::None);
+    }
+    device
+        .capture_status(stream)
+        .map_err(|_| PoolError::StreamCapturing { stream })
 }
 
 /// An allocation node of `len` bytes on the capturing `stream`.
@@ -162,7 +187,7 @@ pub(crate) fn check_eager_free<D: Device + ?Sized>(
     device: &D,
     stream: Stream,
 ) -> Result<(), PoolError> {
-    match device.capture_status(stream)? {
+    match capturing(device, stream)? {
         CaptureStatus::None => Ok(()),
         CaptureStatus::Active { .. } => Err(PoolError::EagerFreeInCapture { stream }),
         CaptureStatus::Invalidated { .. } => Err(PoolError::StreamCapturing { stream }),
