@@ -246,3 +246,25 @@ fn serving_a_capture_never_touches_the_capturing_stream() {
     pool.free_async(used, t).unwrap();
     assert_eq!(pool.stats().used_current, 0);
 }
+
+/// Rule: graph memory is not the pool's, so it cannot be exported (its
+/// address is outside the pool's range: an export would read the books of
+/// pages it does not have).
+#[test]
+fn graph_memory_is_not_exportable() {
+    use tidepool::PoolError;
+    use tidepool_sys::CaptureMode;
+    let dev = watch();
+    let pool = pool(&dev, config().with_exportable(true));
+    let s = streams(&*dev, 1)[0];
+    dev.begin_capture(s, CaptureMode::Global).unwrap();
+    let g = pool.alloc_async(PAGE, s).unwrap();
+    assert!(g.is_graph_memory());
+    match pool.export(&g) {
+        Err(PoolError::NotExportable { reason }) => assert!(reason.contains("graph memory")),
+        other => panic!("export of graph memory: {other:?}"),
+    }
+    pool.free_async(g, s).unwrap();
+    let graph = dev.end_capture(s).unwrap();
+    dev.destroy_graph(graph).unwrap();
+}
