@@ -66,9 +66,12 @@ pub struct PoolConfig {
     /// Bytes a stream may keep in its private cache of same-stream frees
     /// (the lock-free-of-others fast path). 0 disables the cache.
     pub stream_cache_bytes: usize,
-    /// Check, on every allocation, whether the stream is being captured
-    /// into a graph (one cheap driver call). Turn off only if no stream
-    /// you allocate on is ever captured.
+    /// Strict capture mode (the default): check, on every allocation and
+    /// free, whether the stream is being captured into a graph (one cheap
+    /// driver call), and serve a capturing stream with graph memory. Off:
+    /// announced mode, where the check runs only while a capture is
+    /// announced with `MemPool::begin_announced_capture`; a capture that
+    /// is not announced is then not seen.
     pub check_capture: bool,
     /// Other devices that get read-write access to this pool's memory.
     pub peer_devices: Vec<i32>,

@@ -197,9 +197,11 @@ impl From<CudarcError> for DriverError {
             CudarcError::SizeOverflow { .. } => R::CUDA_ERROR_INVALID_VALUE,
             CudarcError::Pool(p) if p.is_out_of_memory() => R::CUDA_ERROR_OUT_OF_MEMORY,
             CudarcError::Pool(PoolError::TooLarge { .. }) => R::CUDA_ERROR_OUT_OF_MEMORY,
-            CudarcError::Pool(PoolError::StreamCapturing { .. }) => {
-                R::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
-            }
+            CudarcError::Pool(
+                PoolError::StreamCapturing { .. }
+                | PoolError::EagerFreeInCapture { .. }
+                | PoolError::CapturedUse { .. },
+            ) => R::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
             CudarcError::Device(SysError::DriverUnavailable { .. }) => {
                 R::CUDA_ERROR_NOT_INITIALIZED
             }

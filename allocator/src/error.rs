@@ -32,11 +32,35 @@ pub enum PoolError {
     OutOfMemory(Box<OomReport>),
     /// A device call failed (not out-of-memory).
     Device(SysError),
-    /// The stream is being captured into a CUDA graph; allocating on it is
-    /// not supported yet.
+    /// The stream is being captured into a CUDA graph, and the pool cannot
+    /// serve this call there: the capture was already invalidated by an
+    /// earlier refused call, or the call (the raw-pointer API) does not
+    /// serve captures.
     StreamCapturing {
         /// The capturing stream.
         stream: Stream,
+    },
+    /// A block the pool handed out before a capture was freed inside it:
+    /// the free would have to take effect at every launch of the graph,
+    /// which the pool cannot see. Nothing changed; the capture stays valid.
+    EagerFreeInCapture {
+        /// The capturing stream.
+        stream: Stream,
+    },
+    /// A block of the pool is used by captured work (declared with
+    /// `record_use` on a capturing stream, or declared on a stream that is
+    /// being captured now): every launch of the graph may touch it, so
+    /// the pool cannot order its free. Free it with
+    /// `MemPool::free_after_graph` once the graph's launches are ordered.
+    CapturedUse {
+        /// The capturing stream of the use.
+        stream: Stream,
+    },
+    /// The call is for graph memory (allocated on a capturing stream) and
+    /// this allocation is a block of the pool.
+    NotGraphMemory {
+        /// The allocation's address.
+        ptr: DevicePtr,
     },
     /// The stream was retired from this pool.
     StreamRetired {
@@ -180,7 +204,19 @@ impl fmt::Display for PoolError {
             PoolError::Device(e) => write!(f, "device error: {e}"),
             PoolError::StreamCapturing { stream } => write!(
                 f,
-                "{stream} is being captured into a CUDA graph; allocate before capture begins (graph capture is not supported yet)"
+                "{stream} is being captured into a CUDA graph and this call cannot be served there: either the capture was invalidated by an earlier refused call (end it and capture again) or the raw-pointer API was used (it does not serve captures: allocate before the capture begins, or use alloc_async/free_async inside it)"
+            ),
+            PoolError::EagerFreeInCapture { stream } => write!(
+                f,
+                "{stream} is being captured into a CUDA graph and this block was allocated before the capture: a free inside the capture would have to happen at every launch; free it before begin_capture, or after end_capture once the graph's last launch is ordered before the free (allocate inside the capture for memory the graph frees itself)"
+            ),
+            PoolError::NotGraphMemory { ptr } => write!(
+                f,
+                "{ptr:#x} is a block of the pool, not graph memory; free it with free_async"
+            ),
+            PoolError::CapturedUse { stream } => write!(
+                f,
+                "work captured on {stream} uses this block, so every launch of that graph may touch it and the pool cannot see when launches end; after end_capture, free it with free_after_graph on a stream ordered after the graph's last launch"
             ),
             PoolError::StreamRetired { stream } => {
                 write!(f, "{stream} was retired from this pool; register a live stream")

@@ -31,10 +31,12 @@
 //! NULL stream (`default_stream`) is an ordinary stream to the pool (the
 //! pool assumes none of its implicit synchronisation). The per-thread
 //! default stream is a different stream on every thread: adopt it once per
-//! thread and use each id only on its own thread. Allocating or freeing on a
-//! stream that is being captured into a CUDA graph is a typed error
-//! ([`PoolError::StreamCapturing`]); the pool never records or queries an
-//! event on a capturing stream.
+//! thread and use each id only on its own thread. An allocation on a stream
+//! that is being captured into a CUDA graph is graph memory (an allocation
+//! node of the graph, freed by a free node or after the launches); what the
+//! pool cannot make safe during a capture is a typed error that says what
+//! to do (`docs/capture.md` has the rules). The pool never records or
+//! queries an event on a capturing stream.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -62,6 +64,8 @@
 #![deny(missing_docs)]
 
 mod arena;
+mod capture;
+mod capture_api;
 mod config;
 #[cfg(all(feature = "cudarc", not(loom)))]
 pub mod cudarc;

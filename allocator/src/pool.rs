@@ -7,6 +7,7 @@
 //! is generic over the handle it keeps.
 
 use crate::arena::{Arena, Guard};
+use crate::capture::{AllocRoute, CaptureState, CaptureTag};
 use crate::config::{PoolConfig, ReusePolicy};
 use crate::error::PoolError;
 use crate::ordering::{CachedBlock, EventRecord, Reach, StreamEntry, StreamOrder};
@@ -41,6 +42,8 @@ pub struct Allocation {
     pub(crate) stream: Stream,
     pub(crate) pool: u64,
     pub(crate) uses: Vec<Stream>,
+    /// Graph memory, or a block used by captured work (see `capture.rs`).
+    pub(crate) capture: CaptureTag,
 }
 
 impl Allocation {
@@ -59,6 +62,12 @@ impl Allocation {
     /// Streams declared with [`MemPool::record_use`].
     pub fn uses(&self) -> &[Stream] {
         &self.uses
+    }
+    /// Whether this is graph memory: allocated on a stream that was being
+    /// captured into a CUDA graph (an allocation node of that graph, not a
+    /// block of the pool; see [`MemPool::alloc_async`]).
+    pub fn is_graph_memory(&self) -> bool {
+        matches!(self.capture, CaptureTag::Graph { .. })
     }
 }
 
@@ -152,6 +161,8 @@ pub(crate) struct PoolInner<D: Device> {
     pub order: StreamOrder<D>,
     pub counters: Counters,
     pub raw: RawTable<Allocation>,
+    /// Announced captures (see `capture.rs`).
+    pub capture: CaptureState,
 }
 
 /// A stream-ordered memory pool over a [`Device`].
@@ -239,6 +250,7 @@ impl<D: Device> MemPool<D> {
             order: StreamOrder::new(id, device.clone()),
             counters: Counters::default(),
             raw: RawTable::default(),
+            capture: CaptureState::default(),
             device,
             config,
         });
@@ -282,6 +294,16 @@ impl<D: Device> MemPool<D> {
     /// here, never later. Size 0 succeeds with a null pointer, which
     /// [`free_async`](Self::free_async) accepts.
     ///
+    /// On a stream that is being captured into a CUDA graph the allocation
+    /// is *graph memory*: an allocation node of the graph (the driver's
+    /// `cuMemAllocAsync` during capture), valid for the graph's work
+    /// between this node and its free, at every launch; it is not a block
+    /// of the pool and does not count in [`stats`](Self::stats). The
+    /// capture is detected on every call in strict mode (the default),
+    /// only while a capture is announced otherwise
+    /// ([`begin_announced_capture`](Self::begin_announced_capture)). The
+    /// rules for its lifetime are in `docs/capture.md`.
+    ///
     /// ```
     /// use std::sync::Arc;
     /// use tidepool::{MemPool, PoolConfig};
@@ -307,7 +329,19 @@ impl<D: Device> MemPool<D> {
     /// pool.free_async(x, s)?;
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
+    #[inline]
     pub fn alloc_async(&self, size: usize, stream: Stream) -> Result<Allocation, PoolError> {
+        self.alloc_in(size, stream, true)
+    }
+
+    /// [`alloc_async`](Self::alloc_async); a capturing stream gets graph
+    /// memory only when `serve_capture` (the raw-pointer API refuses it).
+    fn alloc_in(
+        &self,
+        size: usize,
+        stream: Stream,
+        serve_capture: bool,
+    ) -> Result<Allocation, PoolError> {
         let inner = &*self.inner;
         if size == 0 {
             // No memory, but the stream is named all the same: refuse a
@@ -321,6 +355,7 @@ impl<D: Device> MemPool<D> {
                 stream,
                 pool: inner.id,
                 uses: Vec::new(),
+                capture: CaptureTag::Eager,
             });
         }
         let len = match round_up(size, ALIGNMENT) {
@@ -332,9 +367,22 @@ impl<D: Device> MemPool<D> {
                 })
             }
         };
-        if inner.config.check_capture {
-            if inner.device.is_capturing(stream)? {
-                return Err(PoolError::StreamCapturing { stream });
+        if inner.capture.must_check(inner.config.check_capture) {
+            // A capturing stream gets graph memory (see `capture.rs`).
+            if let AllocRoute::Graph(id) = crate::capture::alloc_route(&*inner.device, stream)? {
+                if !serve_capture {
+                    return Err(PoolError::StreamCapturing { stream });
+                }
+                let ptr = crate::capture::graph_alloc(&*inner.device, stream, len, id)?;
+                return Ok(Allocation {
+                    ptr,
+                    size,
+                    len,
+                    stream,
+                    pool: inner.id,
+                    uses: Vec::new(),
+                    capture: CaptureTag::Graph { capture: id },
+                });
             }
         } else {
             // No capture check, but still no destroyed or foreign stream.
@@ -347,6 +395,7 @@ impl<D: Device> MemPool<D> {
             stream,
             pool: inner.id,
             uses: Vec::new(),
+            capture: CaptureTag::Eager,
         };
         // Fast path: a same-size block from the stream's own cache.
         let cached = inner
@@ -427,14 +476,29 @@ impl<D: Device> MemPool<D> {
             Counters::bump(&inner.counters.zero_frees);
             return Ok(());
         }
-        if inner.config.check_capture {
-            match inner.device.is_capturing(stream) {
-                Ok(false) => {}
-                Ok(true) => return fail(PoolError::StreamCapturing { stream }, allocation),
-                Err(e) => return fail(e.into(), allocation),
+        if allocation.is_graph_memory() {
+            // Graph memory: a free node inside a capture, a stream-ordered
+            // free of what a launch left live outside one.
+            return match crate::capture::graph_free(&*inner.device, stream, allocation.ptr) {
+                Ok(()) => Ok(()),
+                Err(e) => fail(e, allocation),
+            };
+        }
+        let check = inner.capture.must_check(inner.config.check_capture);
+        if check {
+            // No pool block is freed inside a capture (see `capture.rs`).
+            if let Err(e) = crate::capture::check_eager_free(&*inner.device, stream) {
+                return fail(e, allocation);
             }
         } else if let Err(e) = inner.device.check_stream(stream) {
             return fail(e.into(), allocation);
+        }
+        if allocation.capture != CaptureTag::Eager || !allocation.uses.is_empty() {
+            let uses = &allocation.uses;
+            let tag = allocation.capture;
+            if let Err(e) = crate::capture::check_uses(&*inner.device, tag, uses, stream, check) {
+                return fail(e, allocation);
+            }
         }
         // Declared uses on other streams: the freeing stream waits for them,
         // so the free's own epoch covers them. A user stream destroyed
@@ -546,7 +610,22 @@ impl<D: Device> MemPool<D> {
     /// pool.free_async(y, c)?;
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
+    ///
+    /// A use on a stream that is being captured into a graph is a use at
+    /// every launch of that graph: the allocation's free is then refused
+    /// ([`PoolError::CapturedUse`]) until the caller frees it with
+    /// [`free_after_graph`](Self::free_after_graph). Uses of graph memory
+    /// are the graph's business (order its free node after them) and are
+    /// not recorded.
     pub fn record_use(&self, allocation: &mut Allocation, stream: Stream) {
+        if allocation.is_graph_memory() {
+            return;
+        }
+        let tag = crate::capture::tag_after_use(&*self.inner.device, allocation.capture, stream);
+        if tag != allocation.capture {
+            allocation.capture = tag;
+            return;
+        }
         if stream != allocation.stream && !allocation.uses.contains(&stream) {
             allocation.uses.push(stream);
         }
@@ -784,7 +863,7 @@ impl<D: Device> MemPool<D> {
         if size == 0 {
             return Ok(0);
         }
-        let a = self.alloc_async(size, stream)?;
+        let a = self.alloc_in(size, stream, false)?;
         let ptr = a.ptr();
         if ptr == 0 {
             return Ok(0);
@@ -810,10 +889,27 @@ impl<D: Device> MemPool<D> {
     }
 
     /// [`record_use`](Self::record_use) by pointer.
+    ///
+    /// The raw-pointer API does not serve captures: a use on a stream being
+    /// captured is refused ([`PoolError::StreamCapturing`]) and not recorded.
     pub fn record_use_raw(&self, ptr: DevicePtr, stream: Stream) -> Result<(), PoolError> {
-        self.inner
-            .raw
-            .with_live(ptr, |p| self.contains(p), |a| self.record_use(a, stream))
+        let mut refused = false;
+        self.inner.raw.with_live(
+            ptr,
+            |p| self.contains(p),
+            |a| {
+                let before = a.capture;
+                self.record_use(a, stream);
+                if a.capture != before {
+                    a.capture = before;
+                    refused = true;
+                }
+            },
+        )?;
+        if refused {
+            return Err(PoolError::StreamCapturing { stream });
+        }
+        Ok(())
     }
 
     /// Size in bytes of the live raw allocation at `ptr`.

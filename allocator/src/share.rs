@@ -329,6 +329,13 @@ impl<D: Device> MemPool<D> {
                 reason: "a zero-size allocation has no memory to export".into(),
             });
         }
+        if allocation.is_graph_memory() {
+            return Err(PoolError::NotExportable {
+                reason: "graph memory (allocated during a capture) belongs to the driver's graph \
+                         memory pool, not to this pool; allocate outside the capture to export"
+                    .into(),
+            });
+        }
         let mut fds = Vec::new();
         let st = lock(&inner.arena);
         let page = st.arena.page();

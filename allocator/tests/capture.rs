@@ -207,3 +207,64 @@ fn pool_synchronize_skips_a_capturing_stream() {
     assert_eq!(dev.violations(), Vec::<String>::new());
     dev.inner.set_capturing(s[0], false);
 }
+
+/// Rule: serving a capturing stream (graph memory in, free nodes out, a
+/// refused eager free, a refused free whose declared use is on the
+/// capturing stream) never records an event on it nor synchronises it,
+/// and leaves the capture valid.
+/// Catches: a free that records its declared uses' events before checking
+/// their capture state; an eager free inside a capture taken as a free.
+#[test]
+fn serving_a_capture_never_touches_the_capturing_stream() {
+    use tidepool::PoolError;
+    use tidepool_sys::{CaptureMode, CaptureStatus};
+    let dev = watch();
+    let pool = pool(&dev, config());
+    let s = streams(&*dev, 2);
+    let (cap, t) = (s[0], s[1]);
+    let eager = pool.alloc_async(PAGE, cap).unwrap();
+    let mut used = pool.alloc_async(PAGE, t).unwrap();
+    pool.record_use(&mut used, cap);
+    dev.begin_capture(cap, CaptureMode::Global).unwrap();
+    let g = pool.alloc_async(PAGE, cap).unwrap();
+    assert!(g.is_graph_memory());
+    pool.free_async(g, cap).unwrap();
+    let failed = pool.free_async(eager, cap).unwrap_err();
+    assert_eq!(failed.error, PoolError::EagerFreeInCapture { stream: cap });
+    let eager = failed.allocation;
+    let failed = pool.free_async(used, t).unwrap_err();
+    assert_eq!(failed.error, PoolError::CapturedUse { stream: cap });
+    let used = failed.allocation;
+    assert_eq!(dev.violations(), Vec::<String>::new());
+    assert!(matches!(
+        dev.capture_status(cap).unwrap(),
+        CaptureStatus::Active { .. }
+    ));
+    let graph = dev.end_capture(cap).unwrap();
+    dev.destroy_graph(graph).unwrap();
+    pool.free_async(eager, cap).unwrap();
+    pool.free_async(used, t).unwrap();
+    assert_eq!(pool.stats().used_current, 0);
+}
+
+/// Rule: graph memory is not the pool's, so it cannot be exported (its
+/// address is outside the pool's range: an export would read the books of
+/// pages it does not have).
+#[test]
+fn graph_memory_is_not_exportable() {
+    use tidepool::PoolError;
+    use tidepool_sys::CaptureMode;
+    let dev = watch();
+    let pool = pool(&dev, config().with_exportable(true));
+    let s = streams(&*dev, 1)[0];
+    dev.begin_capture(s, CaptureMode::Global).unwrap();
+    let g = pool.alloc_async(PAGE, s).unwrap();
+    assert!(g.is_graph_memory());
+    match pool.export(&g) {
+        Err(PoolError::NotExportable { reason }) => assert!(reason.contains("graph memory")),
+        other => panic!("export of graph memory: {other:?}"),
+    }
+    pool.free_async(g, s).unwrap();
+    let graph = dev.end_capture(s).unwrap();
+    dev.destroy_graph(graph).unwrap();
+}

@@ -146,38 +146,50 @@ fn too_large_is_a_typed_error() {
     assert_eq!(pool.stats().reserved_current, 0);
 }
 
-/// Rule: a capturing stream — alloc and free are `StreamCapturing`; the
-/// free gives the allocation back; nothing changes; after capture ends
-/// the same allocation frees normally.
+/// Rule: a capturing stream — an invalidated capture gets
+/// `StreamCapturing` for alloc and free; in a valid capture a block of the
+/// pool cannot be freed (`EagerFreeInCapture`) and the raw-pointer API
+/// refuses; every refusal gives the allocation back and changes nothing;
+/// after capture ends the same allocation frees normally.
 #[test]
 fn capturing_stream_is_a_typed_error_and_changes_nothing() {
+    use tidepool_sys::{CaptureMode, CaptureStatus};
     let dev = Arc::new(host());
     let pool = pool(&dev, config());
     let s = dev.create_stream().unwrap();
     let x = pool.alloc_async(4096, s).unwrap();
     let addr = x.ptr();
+    let p = pool.alloc_raw(4096, s).unwrap();
     let before = pool.stats();
-    dev.set_capturing(s, true);
+    dev.begin_capture(s, CaptureMode::Global).unwrap();
+    let failed = pool.free_async(x, s).unwrap_err();
+    assert_eq!(failed.error, PoolError::EagerFreeInCapture { stream: s });
+    assert_eq!(
+        pool.alloc_raw(4096, s).unwrap_err(),
+        PoolError::StreamCapturing { stream: s }
+    );
+    assert_eq!(
+        pool.free_raw(p, s).unwrap_err(),
+        PoolError::EagerFreeInCapture { stream: s }
+    );
+    assert_eq!(pool.raw_size(p), Some(4096));
+    // A refused call of the user's invalidates the capture.
+    assert!(dev.synchronize_stream(s).is_err());
+    assert!(matches!(
+        dev.capture_status(s).unwrap(),
+        CaptureStatus::Invalidated { .. }
+    ));
     assert_eq!(
         pool.alloc_async(4096, s).unwrap_err(),
         PoolError::StreamCapturing { stream: s }
     );
-    let failed = pool.free_async(x, s).unwrap_err();
+    let failed = pool.free_async(failed.allocation, s).unwrap_err();
     assert_eq!(failed.error, PoolError::StreamCapturing { stream: s });
     assert!(failed.to_string().contains("captured"));
     assert_eq!(pool.stats(), before, "a failed call changed the pool");
     let x = failed.allocation;
     assert_eq!((x.ptr(), x.size()), (addr, 4096));
-    // Raw API: same, and the pointer stays live.
-    dev.set_capturing(s, false);
-    let p = pool.alloc_raw(4096, s).unwrap();
-    dev.set_capturing(s, true);
-    assert_eq!(
-        pool.free_raw(p, s).unwrap_err(),
-        PoolError::StreamCapturing { stream: s }
-    );
-    assert_eq!(pool.raw_size(p), Some(4096));
-    dev.set_capturing(s, false);
+    assert!(dev.end_capture(s).is_err());
     pool.free_raw(p, s).unwrap();
     pool.free_async(x, s).unwrap();
     assert_eq!(pool.stats().used_current, 0);

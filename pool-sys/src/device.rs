@@ -105,6 +105,9 @@ impl CaptureStatus {
 /// when made concurrently with it: in `Global` mode from any thread that
 /// has not switched itself to relaxed, in `ThreadLocal` mode only from the
 /// capturing thread, in `Relaxed` mode never (the caller takes care).
+/// Device-wide synchronisation waits for the capturing stream, so the
+/// driver refuses it in `Global` and `ThreadLocal` mode from every thread
+/// (measured on the H200), and that invalidates the capture.
 /// Calls on the capturing stream itself (synchronise or query it, query or
 /// synchronise an event recorded into the capture) are refused in every
 /// mode.

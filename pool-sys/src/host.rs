@@ -436,6 +436,9 @@ struct EventState {
     /// The capture the event was last recorded into (then `recorded` is
     /// `None`): querying or synchronising it is refused.
     captured: Option<u64>,
+    /// The stream whose capture recorded it: a refused query or
+    /// synchronisation invalidates that capture, as the driver does.
+    captured_on: Option<std::sync::Weak<StreamState>>,
 }
 
 // ---------------------------------------------------------------------------
@@ -562,7 +565,6 @@ impl HostDevice {
             if let std::collections::hash_map::Entry::Vacant(e) = captures.entry(stream.0) {
                 e.insert(CaptureEntry {
                     mode: CaptureMode::Global,
-                    thread: std::thread::current().id(),
                     recording: None,
                 });
                 s.capture_id.store(next_id(), Ordering::Release);
@@ -752,16 +754,28 @@ impl HostDevice {
         Ok(s)
     }
 
-    /// Refuse to query or synchronise an event last recorded into a capture.
+    /// Refuse to query or synchronise an event last recorded into a
+    /// capture, and invalidate that capture if it is still in progress (the
+    /// driver does: the refused call breaks the capture).
     fn refuse_captured_event(&self, op: Op, event: Event) -> SysResult<()> {
-        let captured = lock(&self.events).get(&event.0).and_then(|e| e.captured);
+        let (captured, on) = lock(&self.events)
+            .get(&event.0)
+            .map(|e| (e.captured, e.captured_on.as_ref().and_then(|w| w.upgrade())))
+            .unwrap_or((None, None));
         match captured {
-            Some(_) => Err(SysError::CaptureViolation {
-                op,
-                reason: "the event was last recorded in a capturing stream; record it again \
-                         outside the capture"
-                    .into(),
-            }),
+            Some(id) => {
+                if let Some(s) = on {
+                    if s.capture_id.load(Ordering::Acquire) == id {
+                        s.invalidate();
+                    }
+                }
+                Err(SysError::CaptureViolation {
+                    op,
+                    reason: "the event was last recorded in a capturing stream; record it again \
+                             outside the capture"
+                        .into(),
+                })
+            }
             None => Ok(()),
         }
     }
@@ -1194,11 +1208,13 @@ impl Device for HostDevice {
             // of work that runs now.
             e.recorded = None;
             e.captured = Some(rec.id);
+            e.captured_on = Some(Arc::downgrade(&s));
             return Ok(());
         }
         let target = s.submitted();
         e.recorded = Some(Recorded { stream: s, target });
         e.captured = None;
+        e.captured_on = None;
         Ok(())
     }
 

@@ -248,7 +248,18 @@ fn calls_the_driver_refuses_during_capture() {
     d.begin_capture(cap, CaptureMode::Relaxed).unwrap();
     d.record_event(ev, cap).unwrap();
     assert!(violation(d.query_event(ev)));
+    // The refused query invalidated the capture, as on the driver.
+    assert!(matches!(
+        d.capture_status(cap).unwrap(),
+        CaptureStatus::Invalidated { .. }
+    ));
+    assert!(violation(d.end_capture(cap)));
+    d.begin_capture(cap, CaptureMode::Relaxed).unwrap();
+    d.record_event(ev, cap).unwrap();
     assert!(violation(d.synchronize_event(ev)));
+    assert!(violation(d.end_capture(cap)), "invalidated it too");
+    d.begin_capture(cap, CaptureMode::Relaxed).unwrap();
+    d.record_event(ev, cap).unwrap();
     d.wait_event(cap, ev).unwrap(); // same capture: fine
     assert!(matches!(
         d.capture_status(cap).unwrap(),
@@ -270,7 +281,12 @@ fn calls_the_driver_refuses_during_capture() {
     );
     d.begin_capture(cap, CaptureMode::ThreadLocal).unwrap();
     let from_other_thread = std::thread::scope(|t| t.spawn(|| d.synchronize_device()).join());
-    from_other_thread.unwrap().unwrap();
+    assert!(
+        violation(from_other_thread.unwrap()),
+        "the driver refuses it from every thread in thread-local mode too"
+    );
+    assert!(violation(d.end_capture(cap)), "and it invalidated it");
+    d.begin_capture(cap, CaptureMode::ThreadLocal).unwrap();
     assert!(violation(d.synchronize_device()));
     assert!(violation(d.end_capture(cap)));
     d.begin_capture(cap, CaptureMode::Relaxed).unwrap();

@@ -86,7 +86,9 @@ impl From<PoolError> for Failure {
         let status = match &e {
             PoolError::OutOfMemory(_) => TIDEPOOL_ERROR_OUT_OF_MEMORY,
             PoolError::Device(s) => sys_status(s),
-            PoolError::StreamCapturing { .. } => TIDEPOOL_ERROR_STREAM_CAPTURING,
+            PoolError::StreamCapturing { .. }
+            | PoolError::EagerFreeInCapture { .. }
+            | PoolError::CapturedUse { .. } => TIDEPOOL_ERROR_STREAM_CAPTURING,
             PoolError::StreamRetired { .. } => TIDEPOOL_ERROR_INVALID_STREAM,
             PoolError::WrongPool { .. } | PoolError::ForeignPointer { .. } => {
                 TIDEPOOL_ERROR_WRONG_POOL

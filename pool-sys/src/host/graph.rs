@@ -18,10 +18,10 @@
 //!
 //! Rules enforced as the driver does: synchronising or querying a capturing
 //! stream, and issuing a one-shot task to it, invalidate the capture and
-//! fail; querying or synchronising an event recorded into a capture fails;
-//! a capturing stream may not wait on an event recorded outside the capture;
-//! device-wide synchronisation is refused in global mode from any thread
-//! and in thread-local mode from the capturing thread; the capture ends on
+//! fail; a capturing stream may not wait on an event recorded outside the
+//! capture; querying or synchronising an event recorded into a capture fails and
+//! invalidates that capture; device-wide synchronisation is refused in
+//! global and thread-local mode from any thread; the capture ends on
 //! the stream it began on, from the same thread unless it is relaxed; a
 //! graph with memory nodes has one executable graph at a time; launching
 //! while an allocation of the previous launch is still live fails unless
@@ -185,7 +185,6 @@ pub(crate) struct Recording {
 #[derive(Clone)]
 pub(crate) struct CaptureEntry {
     pub(crate) mode: CaptureMode,
-    pub(crate) thread: ThreadId,
     /// `None` for the [`HostDevice::set_capturing`] test aid (work still runs).
     pub(crate) recording: Option<Arc<Recording>>,
 }
@@ -477,7 +476,6 @@ impl HostDevice {
             stream.0,
             CaptureEntry {
                 mode,
-                thread: rec.thread,
                 recording: Some(Arc::clone(&rec)),
             },
         );
@@ -670,15 +668,17 @@ impl HostDevice {
     }
 
     /// Refuse a device-wide call that a capture in progress forbids
-    /// (global mode: from any thread; thread-local: from the capturing
-    /// thread; relaxed: never), invalidating that capture.
+    /// (global and thread-local mode: from any thread, since the call would
+    /// wait for the capturing stream; relaxed: never), invalidating that
+    /// capture.
     pub(super) fn refuse_unsafe_call(&self, op: Op) -> SysResult<()> {
-        let me = std::thread::current().id();
         let captures = lock(&self.captures);
         for (&sid, entry) in captures.iter() {
             let refused = match entry.mode {
-                CaptureMode::Global => true,
-                CaptureMode::ThreadLocal => entry.thread == me,
+                // The driver refuses a device-wide synchronisation during a
+                // thread-local capture from every thread, not only the
+                // capturing one (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED).
+                CaptureMode::Global | CaptureMode::ThreadLocal => true,
                 CaptureMode::Relaxed => false,
             };
             if refused {
