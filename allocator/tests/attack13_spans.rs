@@ -133,6 +133,9 @@ struct Run {
     allocators: Vec<usize>,
     /// Stream 2 was made to wait for a busy stream.
     tainted: bool,
+    /// Whether busy stream 1 is retired before the end (and is now).
+    retire: bool,
+    retired: bool,
     /// (allocations, out-of-memory errors, reuses of pending frees)
     seen: (usize, usize, usize),
     rng: Rng,
@@ -142,6 +145,9 @@ const BUSY: usize = 2;
 
 impl Run {
     fn new(seed: u64, cap_pages: usize, strict: bool, cache: usize) -> Run {
+        // Every other seed: release threshold 0 (each synchronisation
+        // trims), and busy stream 1 retired with its frees pending.
+        let odd = seed % 2 == 1;
         let cap = cap_pages * PAGE;
         let dev = Arc::new(host_with_capacity(cap));
         let reuse = if strict {
@@ -161,7 +167,8 @@ impl Run {
             config()
                 .with_max_size(cap as u64)
                 .with_stream_cache_bytes(cache)
-                .with_reuse(reuse),
+                .with_reuse(reuse)
+                .with_release_threshold(if odd { 0 } else { u64::MAX }),
         );
         let streams = streams(&*dev, 4);
         Run {
@@ -178,6 +185,8 @@ impl Run {
             strict,
             allocators: if strict { vec![0, 1, 2, 3] } else { vec![2] },
             tainted: false,
+            retire: odd,
+            retired: false,
             seen: (0, 0, 0),
             rng: Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1),
         }
@@ -304,7 +313,8 @@ impl Run {
         // second after the first's pending frees, which the shadow does not
         // follow.)
         let on = if own >= BUSY && self.rng.range(0, 3) == 0 {
-            self.rng.range(0, BUSY as u64 - 1) as usize
+            // (Busy stream 1 once retired takes no more frees.)
+            self.rng.range(0, BUSY as u64 - 1 - self.retired as u64) as usize
         } else {
             own
         };
@@ -339,6 +349,26 @@ impl Run {
         }
     }
 
+    fn step(&mut self, step: usize) {
+        match self.rng.range(0, 9) {
+            0..=4 => self.alloc(step),
+            5..=7 => self.free(step),
+            8 => {
+                // Trimming must not touch pages of pending frees (their
+                // tag writes would then fail).
+                let target = self.rng.range(0, self.cap as u64 / 2);
+                self.pool.trim_to(target).unwrap();
+            }
+            _ => {
+                // With a release threshold of 0 this trims too.
+                let k = BUSY + self.rng.range(0, 1) as usize;
+                if !(k == 2 && self.tainted) {
+                    self.pool.synchronize_stream(self.streams[k]).unwrap();
+                }
+            }
+        }
+    }
+
     fn go(&mut self, steps: usize) {
         // Fill the pool with blocks on every stream, then make streams 0
         // and 1 busy and free every other block by address: a checkerboard
@@ -370,21 +400,35 @@ impl Run {
         }
         self.live = keep;
         for step in 0..steps {
-            match self.rng.range(0, 9) {
-                0..=4 => self.alloc(2000 + step),
-                5..=7 => self.free(2000 + step),
-                8 => {
-                    // Trimming must not touch pages of pending frees (their
-                    // tag writes would then fail).
-                    let target = self.rng.range(0, self.cap as u64 / 2);
-                    self.pool.trim_to(target).unwrap();
-                }
-                _ => {
-                    let k = BUSY + self.rng.range(0, 1) as usize;
-                    if !(k == 2 && self.tainted) {
-                        self.pool.synchronize_stream(self.streams[k]).unwrap();
+            self.step(2000 + step);
+        }
+        if self.retire {
+            // Retire busy stream 1 with its frees pending (its own live
+            // blocks freed on it first): they stay guarded by its work.
+            let mut i = 0;
+            while i < self.live.len() {
+                if self.live[i].a.stream() == self.streams[1] {
+                    let Live { a, tag } = self.live.swap_remove(i);
+                    for rx in verify(&self.dev, self.streams[1], a.ptr(), a.size(), tag) {
+                        self.checks
+                            .push(("tag before a free on retiring stream".into(), rx));
                     }
+                    self.pending.push(Pending {
+                        ptr: a.ptr(),
+                        len: span(a.size()),
+                        on: 1,
+                        covered: false,
+                    });
+                    self.pool.free_async(a, self.streams[1]).unwrap();
+                } else {
+                    i += 1;
                 }
+            }
+            self.pool.retire_stream(self.streams[1]).unwrap();
+            self.allocators.retain(|&k| k != 1);
+            self.retired = true;
+            for step in 0..steps / 2 {
+                self.step(5000 + step);
             }
         }
         // Release the busy streams; everything must then check out.
@@ -424,12 +468,13 @@ impl Run {
         let _ = writeln!(
             std::io::stderr().lock(),
             "{name}: {} allocations, {} out-of-memory, {} reuses of pending frees, \
-             {} internal dependencies, {} remaps",
+             {} internal dependencies, {} remaps, {} pages released",
             self.seen.0,
             self.seen.1,
             self.seen.2,
             st.internal_dependencies,
-            st.remaps
+            st.remaps,
+            st.releases
         );
     }
 }
