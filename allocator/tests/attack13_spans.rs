@@ -545,3 +545,86 @@ fn own_pending_free_next_to_a_completed_one_serves_one_request() {
     pool.free_async(d, s0).unwrap();
     pool.free_async(c, s0).unwrap();
 }
+
+/// A use declared on a busy stream (`record_use`) guards the freed bytes:
+/// a stream that never waited for the busy one never gets them, however
+/// they could be joined with completed neighbours; the freeing stream gets
+/// them only if its later work runs after the use (probed).
+#[test]
+fn a_declared_use_on_a_busy_stream_guards_the_freed_bytes() {
+    let strict = ReusePolicy {
+        internal_dependencies: false,
+        wait_for_pending_frees: false,
+        ..ReusePolicy::default()
+    };
+    for cache in [0, 64 << 20] {
+        let dev = Arc::new(host_with_capacity(4 * PAGE));
+        let pool = pool(
+            &dev,
+            config()
+                .with_max_size(2 * PAGE as u64)
+                .with_stream_cache_bytes(cache)
+                .with_reuse(strict),
+        );
+        let (s0, s1, s2) = (
+            dev.create_stream().unwrap(),
+            dev.create_stream().unwrap(),
+            dev.create_stream().unwrap(),
+        );
+        let mut x = pool.alloc_async(MIB, s1).unwrap();
+        let y = pool.alloc_async(3 * MIB, s2).unwrap();
+        let (xp, xl) = (x.ptr(), MIB);
+        let mut busy = Blocker::on(&*dev, s0);
+        // The use on s0, ordered after x's allocation through the pool.
+        let ev = pool.record_event(s1).unwrap();
+        pool.wait_event(s0, &ev).unwrap();
+        pool.record_use(&mut x, s0);
+        let used = tag_kernel(&dev, s0, xp, 16, 7);
+        pool.free_async(x, s1).unwrap();
+        pool.free_async(y, s2).unwrap();
+        pool.synchronize_stream(s2).unwrap();
+        let mut probes = Vec::new();
+        let mut served = 0;
+        for (s, size) in [
+            (s2, MIB),
+            (s2, 2 * MIB),
+            (s2, 3 * MIB),
+            (s2, 4 * MIB),
+            (s1, MIB),
+            (s1, 4 * MIB),
+        ] {
+            let Ok(b) = pool.alloc_async(size, s) else {
+                continue;
+            };
+            served += 1;
+            if overlaps(b.ptr(), size, xp, xl) {
+                assert!(
+                    s != s2,
+                    "cache {cache}: {size} B on a stream that never waited got bytes \
+                     whose declared use on a busy stream is pending"
+                );
+                probes.push(probe(&*dev, s, busy.flag()));
+            }
+            pool.free_async(b, s).unwrap();
+            if s == s2 {
+                pool.synchronize_stream(s2).unwrap();
+            }
+        }
+        assert!(
+            served > 0,
+            "cache {cache}: the completed 3 MiB served nothing"
+        );
+        busy.release();
+        assert!(
+            used.recv().unwrap(),
+            "cache {cache}: the use's memory was unmapped"
+        );
+        for p in probes {
+            assert!(
+                p.recv().unwrap(),
+                "cache {cache}: the freeing stream reused the bytes before the use ran"
+            );
+        }
+        pool.synchronize().unwrap();
+    }
+}
