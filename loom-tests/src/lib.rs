@@ -79,4 +79,11 @@ mod tests {
             scenarios::headroom_donors();
         }
     }
+
+    #[test]
+    fn announced_capture_gate_std() {
+        for _ in 0..20 {
+            scenarios::announced_capture_gate();
+        }
+    }
 }

@@ -343,3 +343,56 @@ pub fn headroom_donors() {
     dev.complete_all();
     teardown(dev, pool);
 }
+
+/// (i) The capture gate of announced mode: one relaxed counter of
+/// announced captures. Threads 1 and 2 each put their own stream in capture
+/// (a raw call: only the capture query sees it) and announce it; then the
+/// main thread ends thread 1's capture and allocates on thread 2's stream,
+/// still capturing: that must be refused in every interleaving, so the
+/// count must be 1, not 0, after two announcements and one end. Catches an
+/// announcement made as a load and a store instead of one read-modify-write
+/// (two racing announcements count once). Thread 2 also allocates on a
+/// third, never-captured stream right after its announcement: served, with
+/// the query asked or not.
+pub fn announced_capture_gate() {
+    let dev = Arc::new(ModelDevice::new(CAPACITY_PAGES));
+    let mut c = config(1024);
+    c.check_capture = true;
+    let pool = MemPool::new(dev.clone(), c).expect("pool");
+    pool.set_announced_captures(true);
+    let (s1, s2, plain) = (
+        dev.create_stream().unwrap(),
+        dev.create_stream().unwrap(),
+        dev.create_stream().unwrap(),
+    );
+    let t1 = {
+        let (dev, pool) = (dev.clone(), pool.clone());
+        thread::spawn(move || {
+            dev.set_capturing(s1, true);
+            pool.begin_announced_capture(s1);
+        })
+    };
+    let t2 = {
+        let (dev, pool) = (dev.clone(), pool.clone());
+        thread::spawn(move || {
+            dev.set_capturing(s2, true);
+            pool.begin_announced_capture(s2);
+            let x = alloc(&dev, &pool, 1000, plain);
+            free(&dev, &pool, x, plain);
+        })
+    };
+    t1.join().unwrap();
+    t2.join().unwrap();
+    dev.set_capturing(s1, false);
+    pool.end_announced_capture(s1);
+    assert_eq!(pool.announced_captures(), 1);
+    assert!(matches!(
+        pool.alloc_async(1000, s2),
+        Err(PoolError::StreamCapturing { .. })
+    ));
+    dev.set_capturing(s2, false);
+    pool.end_announced_capture(s2);
+    assert_eq!(pool.announced_captures(), 0);
+    dev.complete_all();
+    teardown(dev, pool);
+}

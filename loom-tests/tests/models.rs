@@ -99,3 +99,8 @@ fn g_busy_list_free_vs_pass() {
 fn h_headroom_donors() {
     loom::model(scenarios::headroom_donors);
 }
+
+#[test]
+fn i_announced_capture_gate() {
+    loom::model(scenarios::announced_capture_gate);
+}
