@@ -29,7 +29,6 @@
 //! the pool.
 
 use crate::error::PoolError;
-use crate::sync::{AtomicU64, Ordering};
 use tidepool_sys::{CaptureStatus, Device, DevicePtr, Stream};
 
 /// What an allocation has to do with graph capture.
@@ -54,62 +53,6 @@ pub(crate) enum CaptureTag {
         /// The capturing stream of the declaration.
         stream: Stream,
     },
-}
-
-/// The pool's capture state: the number of announced captures in progress.
-#[derive(Debug)]
-pub(crate) struct CaptureState {
-    announced: AtomicU64,
-}
-
-impl Default for CaptureState {
-    // By hand: loom's atomics (under `cfg(loom)`) have no `Default`.
-    fn default() -> Self {
-        CaptureState {
-            announced: AtomicU64::new(0),
-        }
-    }
-}
-
-impl CaptureState {
-    /// Whether the pool must ask the device about this stream: always in
-    /// strict mode, in announced mode only while a capture is announced
-    /// (one relaxed load: a capture announced on this thread is seen by its
-    /// own later calls; one announced on another thread is ordered with
-    /// this call by the caller's own synchronisation, which the
-    /// announcement contract requires).
-    #[inline]
-    pub(crate) fn must_check(&self, strict: bool) -> bool {
-        strict || self.announced.load(Ordering::Relaxed) != 0
-    }
-
-    pub(crate) fn announce(&self) {
-        self.announced.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// End one announced capture; false when none was announced.
-    pub(crate) fn end_announced(&self) -> bool {
-        let mut cur = self.announced.load(Ordering::Relaxed);
-        loop {
-            if cur == 0 {
-                return false;
-            }
-            match self.announced.compare_exchange_weak(
-                cur,
-                cur - 1,
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            ) {
-                Ok(_) => return true,
-                Err(now) => cur = now,
-            }
-        }
-    }
-
-    /// Captures announced and not yet ended.
-    pub(crate) fn announced(&self) -> u64 {
-        self.announced.load(Ordering::Relaxed)
-    }
 }
 
 /// What an allocation on `stream` becomes, from its capture status.

@@ -1,5 +1,5 @@
-//! The public calls of graph capture, built on the public pool: announced
-//! captures, the free of a block that captured work used, and the free of
+//! The public calls of graph capture, built on the public pool (the
+//! announced-mode calls are beside the fast path in `pool.rs`): the free of a block that captured work used, and the free of
 //! graph memory that a launch left live. The rules behind them are in
 //! `capture.rs` (and, for users, `docs/capture.md`).
 
@@ -9,65 +9,6 @@ use crate::pool::{Allocation, FreeError, MemPool};
 use tidepool_sys::{Device, Stream};
 
 impl<D: Device> MemPool<D> {
-    /// Announce that the caller is about to capture a stream into a CUDA
-    /// graph (call it before the capture begins and before any work is
-    /// issued to the stream). Matters in announced mode
-    /// ([`PoolConfig::check_capture`](crate::PoolConfig::check_capture)
-    /// off): allocations and frees ask the device about capture only while
-    /// a capture is announced, and serve the capturing stream as strict
-    /// mode does. A capture that is not announced is not seen in that
-    /// mode. End it with
-    /// [`end_announced_capture`](Self::end_announced_capture).
-    ///
-    /// ```
-    /// use std::sync::Arc;
-    /// use tidepool::{MemPool, PoolConfig};
-    /// use tidepool_sys::{CaptureMode, Device, host::{HostConfig, HostDevice}};
-    ///
-    /// let device = Arc::new(HostDevice::with_config(HostConfig { capacity: 64 << 20, ..Default::default() }));
-    /// let config = PoolConfig::default().with_va_size(1 << 30).with_check_capture(false);
-    /// let pool = MemPool::new(device.clone(), config)?;
-    /// let s = device.create_stream()?;
-    /// pool.begin_announced_capture(s);
-    /// device.begin_capture(s, CaptureMode::Global)?;
-    /// let x = pool.alloc_async(4096, s)?;
-    /// assert!(x.is_graph_memory());
-    /// pool.free_async(x, s)?; // a free node of the graph
-    /// let graph = device.end_capture(s)?;
-    /// assert!(pool.end_announced_capture(s));
-    /// device.destroy_graph(graph)?;
-    /// # Ok::<(), Box<dyn std::error::Error>>(())
-    /// ```
-    pub fn begin_announced_capture(&self, stream: Stream) {
-        self.inner.capture.announce();
-        tracing::debug!(
-            pool = self.inner.id,
-            stream = stream.id(),
-            "capture announced"
-        );
-    }
-
-    /// End a capture announced with
-    /// [`begin_announced_capture`](Self::begin_announced_capture) (after
-    /// the capture ended). False, and nothing changes, when no capture is
-    /// announced.
-    pub fn end_announced_capture(&self, stream: Stream) -> bool {
-        let ended = self.inner.capture.end_announced();
-        if !ended {
-            tracing::warn!(
-                pool = self.inner.id,
-                stream = stream.id(),
-                "end_announced_capture without a matching begin_announced_capture"
-            );
-        }
-        ended
-    }
-
-    /// Captures announced and not yet ended.
-    pub fn announced_captures(&self) -> u64 {
-        self.inner.capture.announced()
-    }
-
     /// Free a block of the pool that captured work used (declared with
     /// [`record_use`](Self::record_use) on a capturing stream, whose plain
     /// free is refused with [`PoolError::CapturedUse`]).

@@ -69,9 +69,10 @@ pub struct PoolConfig {
     /// Strict capture mode (the default): check, on every allocation and
     /// free, whether the stream is being captured into a graph (one cheap
     /// driver call), and serve a capturing stream with graph memory. Off:
-    /// announced mode, where the check runs only while a capture is
-    /// announced with `MemPool::begin_announced_capture`; a capture that
-    /// is not announced is then not seen.
+    /// the pool starts in announced mode, where the check runs only while
+    /// a capture is announced with `MemPool::begin_announced_capture`; a
+    /// capture that is not announced is then not seen. The mode can be
+    /// switched later with `MemPool::set_announced_captures`.
     pub check_capture: bool,
     /// Other devices that get read-write access to this pool's memory.
     pub peer_devices: Vec<i32>,

@@ -13,6 +13,9 @@
 //! - the event recycler;
 //! - the stream table (one [`StreamEntry`] per stream ever seen, never
 //!   removed) and each stream's state, its private cache of frees included;
+//! - the list of busy streams ([`StreamOrder::for_busy`]), so that the
+//!   slow path's passes cost what the busy streams cost, not what every
+//!   stream the pool ever met costs;
 //! - what the pool may still do with a stream's driver handle ([`Reach`]);
 //! - what is known complete ([`Completion`]), learnt by querying events
 //!   ([`StreamOrder::observe_completions`]), by host synchronisation, or —
@@ -51,6 +54,15 @@ impl VectorClock {
             Some((_, e)) => *e = (*e).max(epoch),
             None => self.entries.push((stream, epoch)),
         }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Every (stream, epoch) pair, in the order first raised.
+    pub fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.entries.iter().copied()
     }
 
     pub fn merge(&mut self, other: &VectorClock) {
@@ -148,6 +160,78 @@ pub(crate) struct CachedBlock {
     pub epoch: u64,
 }
 
+/// Block lengths are multiples of this (the pool's alignment).
+const CACHE_GRAIN: usize = 512;
+
+/// Block lengths up to this many bytes have a slot of their own in a
+/// [`SizeCache`] (one slot per multiple of 512 bytes: 128 slots).
+const SMALL_CACHE_MAX: usize = 64 << 10;
+
+/// A stream's private cache: same-stream frees by exact block length. The
+/// lengths a stream frees most often are small, and those are found by
+/// indexing an array with `len / 512` (no hashing); longer blocks go to a
+/// map keyed by length.
+#[derive(Debug, Default)]
+pub(crate) struct SizeCache {
+    small: Vec<Vec<CachedBlock>>,
+    large: HashMap<usize, Vec<CachedBlock>, BuildIntHasher>,
+}
+
+impl SizeCache {
+    #[inline]
+    fn small_slot(len: usize) -> Option<usize> {
+        (len <= SMALL_CACHE_MAX).then(|| len / CACHE_GRAIN - 1)
+    }
+
+    /// The most recently cached block of exactly `len` bytes.
+    #[inline]
+    pub fn pop(&mut self, len: usize) -> Option<CachedBlock> {
+        match Self::small_slot(len) {
+            Some(i) => self.small.get_mut(i)?.pop(),
+            None => self.large.get_mut(&len)?.pop(),
+        }
+    }
+
+    pub fn push(&mut self, len: usize, block: CachedBlock) {
+        match Self::small_slot(len) {
+            Some(i) => {
+                if self.small.len() <= i {
+                    self.small.resize_with(i + 1, Vec::new);
+                }
+                self.small[i].push(block);
+            }
+            None => self.large.entry(len).or_default().push(block),
+        }
+    }
+
+    /// The most recently cached block of exactly `len` bytes freed in
+    /// epoch `epoch` or earlier.
+    pub fn take_covered(&mut self, len: usize, epoch: u64) -> Option<CachedBlock> {
+        let list = match Self::small_slot(len) {
+            Some(i) => self.small.get_mut(i)?,
+            None => self.large.get_mut(&len)?,
+        };
+        let at = list.iter().rposition(|b| b.epoch <= epoch)?;
+        Some(list.remove(at))
+    }
+
+    /// Hand every block to `f` (length, block), emptying the cache (the
+    /// lists keep their capacity).
+    fn drain(&mut self, mut f: impl FnMut(usize, CachedBlock)) {
+        for (i, blocks) in self.small.iter_mut().enumerate() {
+            let len = (i + 1) * CACHE_GRAIN;
+            for b in blocks.drain(..) {
+                f(len, b);
+            }
+        }
+        for (len, blocks) in self.large.drain() {
+            for b in blocks {
+                f(len, b);
+            }
+        }
+    }
+}
+
 /// Per-stream state, behind the stream's own lock (never the arena's).
 #[derive(Debug)]
 pub(crate) struct StreamState {
@@ -163,8 +247,15 @@ pub(crate) struct StreamState {
     /// Events recorded on this stream, not yet observed complete, oldest first.
     pub recorded: VecDeque<Arc<EventRecord>>,
     /// Same-stream frees kept for reuse by this stream, by block length.
-    pub cache: HashMap<usize, Vec<CachedBlock>, BuildIntHasher>,
+    pub cache: SizeCache,
     pub cached_bytes: usize,
+    /// In the pool's list of busy streams ([`StreamOrder::note_busy`]):
+    /// set and cleared under this stream's lock only.
+    pub listed: bool,
+    /// In the ledger's list of streams holding headroom (see
+    /// `stats::Ledger`): set under this stream's lock when a free gives it
+    /// headroom, cleared by whoever collects that headroom.
+    pub donor: bool,
     /// This stream's share of the pool's counters.
     pub counters: crate::stats::StreamCounters,
     /// The last epoch closed with no event because the driver stream was
@@ -181,8 +272,10 @@ impl StreamState {
             frees_in_epoch: false,
             clock: VectorClock::default(),
             recorded: VecDeque::new(),
-            cache: HashMap::default(),
+            cache: SizeCache::default(),
             cached_bytes: 0,
+            listed: false,
+            donor: false,
             counters: Default::default(),
             orphaned: None,
         }
@@ -236,6 +329,13 @@ impl StreamState {
         self.recorded.iter().find(|r| r.epoch >= epoch).cloned()
     }
 
+    /// Whether the slow path's passes over streams must visit this stream:
+    /// it has cached frees (to flush), frees not yet covered by an event (to
+    /// record one), or recorded events not yet seen complete (to query).
+    pub fn busy(&self) -> bool {
+        self.frees_in_epoch || self.cached_bytes > 0 || !self.recorded.is_empty()
+    }
+
     /// Take every cached block out (for the arena).
     pub fn drain_cache(&mut self) -> Vec<(usize, CachedBlock)> {
         let mut out = Vec::new();
@@ -248,12 +348,13 @@ impl StreamState {
     /// built in between. Returns how many there were.
     pub fn drain_cache_with(&mut self, mut f: impl FnMut(usize, CachedBlock)) -> usize {
         let mut n = 0;
-        for (len, blocks) in self.cache.drain() {
-            n += blocks.len();
-            for b in blocks {
-                f(len, b);
-            }
+        if self.cached_bytes == 0 {
+            return 0;
         }
+        self.cache.drain(|len, b| {
+            n += 1;
+            f(len, b)
+        });
         self.cached_bytes = 0;
         n
     }
@@ -311,61 +412,62 @@ pub(crate) struct StreamEntry {
     pub state: Mutex<StreamState>,
 }
 
-/// The last few stream entries this thread used, keyed by pool id and stream
+/// The stream entries this thread used last, keyed by pool id and stream
 /// id (both never reused, and entries are never removed from a pool, so a
 /// hit is always the right entry). Spares the hot path the stream table's
-/// shared lock and hashing. An entry of a dropped pool lingers here until
-/// evicted; it holds no device resources by then (the pool's drop drained
-/// its events).
-#[cfg(not(loom))]
+/// shared lock and hashing. A fixed table of slots, each (pool, stream)
+/// pair in the one slot its ids pick: a lookup is one comparison and a
+/// miss replaces that slot, whatever the number of streams a thread cycles
+/// through (consecutive stream ids of one pool never share a slot). An
+/// entry of a dropped pool lingers here until replaced; it holds no device
+/// resources by then (the pool's drop drained its events).
 mod recent_entries {
     use super::StreamEntry;
+    use crate::sync::Arc;
     use std::cell::RefCell;
-    use std::sync::Arc;
 
-    const SLOTS: usize = 4;
+    const SLOTS: usize = 16;
 
-    type Slot = (u64, u64, Arc<StreamEntry>);
+    type Slot = Option<(u64, u64, Arc<StreamEntry>)>;
 
-    thread_local! {
-        static RECENT: RefCell<Vec<Slot>> = const { RefCell::new(Vec::new()) };
+    crate::sync::thread_local! {
+        static RECENT: RefCell<[Slot; SLOTS]> = RefCell::new(Default::default());
     }
 
-    pub(super) fn get(pool: u64, stream: u64) -> Option<Arc<StreamEntry>> {
-        RECENT
-            .try_with(|r| {
-                r.try_borrow()
-                    .ok()?
-                    .iter()
-                    .find(|(p, s, _)| *p == pool && *s == stream)
-                    .map(|(_, _, e)| e.clone())
-            })
-            .ok()
-            .flatten()
+    #[inline]
+    fn slot(pool: u64, stream: u64) -> usize {
+        (stream ^ pool.wrapping_mul(7)) as usize % SLOTS
     }
 
     /// Run `f` on the entry if this thread has it, without touching its
-    /// reference count (the allocation fast path). `f` must not block.
-    pub(super) fn with<R>(pool: u64, stream: u64, f: impl FnOnce(&StreamEntry) -> R) -> Option<R> {
+    /// reference count (the fast path). `f` must not block.
+    #[inline]
+    pub(super) fn with<R>(
+        pool: u64,
+        stream: u64,
+        f: impl FnOnce(&Arc<StreamEntry>) -> R,
+    ) -> Option<R> {
         RECENT
             .try_with(|r| {
                 let r = r.try_borrow().ok()?;
-                let (_, _, e) = r.iter().find(|(p, s, _)| *p == pool && *s == stream)?;
-                Some(f(e))
+                match &r[slot(pool, stream)] {
+                    Some((p, s, e)) if *p == pool && *s == stream => Some(f(e)),
+                    _ => None,
+                }
             })
             .ok()
             .flatten()
+    }
+
+    pub(super) fn get(pool: u64, stream: u64) -> Option<Arc<StreamEntry>> {
+        with(pool, stream, Arc::clone)
     }
 
     pub(super) fn put(pool: u64, stream: u64, entry: &Arc<StreamEntry>) {
         let _ = RECENT.try_with(|r| {
-            let Ok(mut r) = r.try_borrow_mut() else {
-                return;
-            };
-            if r.len() == SLOTS {
-                r.remove(0);
+            if let Ok(mut r) = r.try_borrow_mut() {
+                r[slot(pool, stream)] = Some((pool, stream, entry.clone()));
             }
-            r.push((pool, stream, entry.clone()));
         });
     }
 }
@@ -453,6 +555,9 @@ pub(crate) struct StreamOrder<D: Device> {
     device: Arc<D>,
     events: Arc<EventRecycler<D>>,
     streams: RwLock<HashMap<u64, Arc<StreamEntry>>>,
+    /// Ids of the streams that may be [`StreamState::busy`] (each at most
+    /// once: a stream's `listed` flag says whether it is here).
+    busy: Mutex<Vec<u64>>,
 }
 
 impl<D: Device> StreamOrder<D> {
@@ -462,6 +567,7 @@ impl<D: Device> StreamOrder<D> {
             events: Arc::new(EventRecycler::new(device.clone())),
             device,
             streams: RwLock::new(HashMap::new()),
+            busy: Mutex::new(Vec::new()),
         }
     }
 
@@ -476,7 +582,10 @@ impl<D: Device> StreamOrder<D> {
             self.events.release(event);
             return Err(RecordFailure::Record(e));
         }
-        Ok(st.close_epoch(event, self.events.clone()))
+        let record = st.close_epoch(event, self.events.clone());
+        // A recorded event is watched until it is seen complete.
+        self.note_busy(st);
+        Ok(record)
     }
 
     /// Run `f` on `stream`'s entry when this thread has it at hand (no
@@ -485,15 +594,9 @@ impl<D: Device> StreamOrder<D> {
     pub fn with_recent_entry<R>(
         &self,
         stream: Stream,
-        f: impl FnOnce(&StreamEntry) -> R,
+        f: impl FnOnce(&Arc<StreamEntry>) -> R,
     ) -> Option<R> {
-        #[cfg(not(loom))]
-        return recent_entries::with(self.pool, stream.id(), f);
-        #[cfg(loom)]
-        {
-            let _ = (stream, f);
-            None
-        }
+        recent_entries::with(self.pool, stream.id(), f)
     }
 
     /// The pool's state for `stream`, created on first use. Ids are never
@@ -503,12 +606,10 @@ impl<D: Device> StreamOrder<D> {
     /// ([`SysError::ForeignHandle`]) the first time the pool meets it, so
     /// no later pass over the pool's streams has to deal with it.
     pub fn entry(&self, stream: Stream) -> Result<Arc<StreamEntry>, PoolError> {
-        #[cfg(not(loom))]
         if let Some(e) = recent_entries::get(self.pool, stream.id()) {
             return Ok(e);
         }
         let e = self.entry_from_table(stream)?;
-        #[cfg(not(loom))]
         recent_entries::put(self.pool, stream.id(), &e);
         Ok(e)
     }
@@ -539,9 +640,11 @@ impl<D: Device> StreamOrder<D> {
             .clone())
     }
 
-    /// Every stream's entry (a snapshot of the table).
+    /// Every stream's entry (a snapshot of the table), in id order. For
+    /// the rare passes that must see every stream (synchronising all of
+    /// them, statistics, the pool's drop); the allocation paths visit only
+    /// the busy streams ([`StreamOrder::for_busy`]).
     pub fn all_streams(&self) -> Vec<(u64, Arc<StreamEntry>)> {
-        #[allow(unused_mut)]
         let mut all: Vec<_> = self
             .streams
             .read()
@@ -549,19 +652,64 @@ impl<D: Device> StreamOrder<D> {
             .iter()
             .map(|(k, v)| (*k, v.clone()))
             .collect();
-        // loom replays executions and needs the same lock order each time;
-        // a HashMap's order changes with its per-map random seed.
-        #[cfg(loom)]
+        // The same order every time (a HashMap's changes with its random
+        // seed): loom replays executions and needs the same lock order.
         all.sort_unstable_by_key(|(k, _)| *k);
         all
     }
 
-    /// The table as it is now, for lookups by id without its lock.
-    pub fn table(&self) -> HashMap<u64, Arc<StreamEntry>> {
+    /// The entry of the stream with id `id`, if the pool has met it (one
+    /// table lookup, nothing cloned but the entry's reference).
+    pub fn entry_by_id(&self, id: u64) -> Option<Arc<StreamEntry>> {
         self.streams
             .read()
             .unwrap_or_else(|p| p.into_inner())
-            .clone()
+            .get(&id)
+            .cloned()
+    }
+
+    /// Put the stream in the list of busy streams, if it is not there yet
+    /// (call with its lock held, after making it [`StreamState::busy`]).
+    /// The list lock is a leaf: nothing is locked under it.
+    #[inline]
+    pub fn note_busy(&self, st: &mut StreamState) {
+        if !st.listed {
+            st.listed = true;
+            lock(&self.busy).push(st.stream.id());
+        }
+    }
+
+    /// Run `f` on every busy stream (id, state under its lock), and drop
+    /// from the list those `f` leaves idle. Costs what the busy streams
+    /// cost, however many streams the pool has met. Callers hold the
+    /// arena's lock (the lock order is arena, then stream, then the list),
+    /// so two passes never run at once; a stream that becomes busy during
+    /// the pass is either visited or listed again by its own
+    /// [`note_busy`](Self::note_busy), since both decide under its lock.
+    pub fn for_busy(&self, mut f: impl FnMut(u64, &mut StreamState)) {
+        let ids = std::mem::take(&mut *lock(&self.busy));
+        if ids.is_empty() {
+            return;
+        }
+        let entries: Vec<(u64, Arc<StreamEntry>)> = {
+            let table = self.streams.read().unwrap_or_else(|p| p.into_inner());
+            ids.iter()
+                .filter_map(|id| table.get(id).map(|e| (*id, e.clone())))
+                .collect()
+        };
+        let mut kept = Vec::with_capacity(entries.len());
+        for (id, entry) in entries {
+            let mut st = lock(&entry.state);
+            f(id, &mut st);
+            if st.busy() {
+                kept.push(id);
+            } else {
+                st.listed = false;
+            }
+        }
+        if !kept.is_empty() {
+            lock(&self.busy).extend(kept);
+        }
     }
 
     /// What the pool may still do with `stream`'s driver handle.
@@ -601,11 +749,12 @@ impl<D: Device> StreamOrder<D> {
         });
     }
 
-    /// Move every stream's privately cached frees into the arena.
+    /// Move every stream's privately cached frees into the arena (only
+    /// busy streams have any).
     pub fn flush_caches(&self, arena: &mut Arena) -> usize {
         let mut moved = 0;
-        for (id, entry) in self.all_streams() {
-            moved += lock(&entry.state).drain_cache_with(|len, b| {
+        self.for_busy(|id, st| {
+            moved += st.drain_cache_with(|len, b| {
                 arena.give_back(
                     b.offset,
                     len,
@@ -615,7 +764,7 @@ impl<D: Device> StreamOrder<D> {
                     },
                 )
             });
-        }
+        });
         moved
     }
 
@@ -629,12 +778,12 @@ impl<D: Device> StreamOrder<D> {
         done: &mut Completion,
         opportunistic: bool,
     ) {
-        for (id, entry) in self.all_streams() {
-            let mut s = lock(&entry.state);
+        // Only busy streams have uncovered frees or unobserved events.
+        self.for_busy(|id, s| {
             if s.frees_in_epoch && !s.retired && !self.device.is_capturing(s.stream).unwrap_or(true)
             {
                 // A failure leaves the epoch open: the next pass tries again.
-                let _ = self.record_closing(&mut s);
+                let _ = self.record_closing(s);
             }
             while let Some(front) = s.recorded.front() {
                 match self.device.query_event(front.event) {
@@ -646,7 +795,7 @@ impl<D: Device> StreamOrder<D> {
                     _ => break,
                 }
             }
-        }
+        });
         arena.settle(|g| match g {
             Guard::After { stream, epoch }
                 if done.synced(stream) >= epoch
@@ -706,12 +855,11 @@ impl<D: Device> StreamOrder<D> {
         Ok(true)
     }
 
-    /// The events recorded on every stream and not yet observed complete.
+    /// The events recorded on every stream and not yet observed complete
+    /// (only busy streams have any).
     pub fn pending_records(&self) -> Vec<Arc<EventRecord>> {
         let mut out = Vec::new();
-        for (_, entry) in self.all_streams() {
-            out.extend(lock(&entry.state).recorded.iter().cloned());
-        }
+        self.for_busy(|_, st| out.extend(st.recorded.iter().cloned()));
         out
     }
 

@@ -327,12 +327,11 @@ fn take_with_dependency<D: Device>(cx: &mut Ctx<'_, D>) -> Result<Option<usize>,
         }
     }
     candidates.sort_unstable();
-    let streams = pool.order.table();
     'windows: for (_, _, off, k) in candidates {
         let donors = window_donors(st, &runs[k], off, len, me, &clock, reuse);
         let mut records = Vec::with_capacity(donors.len());
         for (donor, epoch) in donors {
-            let Some(donor_entry) = streams.get(&donor) else {
+            let Some(donor_entry) = pool.order.entry_by_id(donor) else {
                 continue 'windows;
             };
             let mut d = lock(&donor_entry.state);

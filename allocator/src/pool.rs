@@ -7,7 +7,7 @@
 //! is generic over the handle it keeps.
 
 use crate::arena::{Arena, Guard};
-use crate::capture::{AllocRoute, CaptureState, CaptureTag};
+use crate::capture::{AllocRoute, CaptureTag};
 use crate::config::{PoolConfig, ReusePolicy};
 use crate::error::PoolError;
 use crate::ordering::{CachedBlock, EventRecord, Reach, StreamEntry, StreamOrder};
@@ -25,6 +25,10 @@ use tidepool_sys::{Device, DevicePtr, Event, Stream, SysError};
 
 /// Alignment of every pointer the pool hands out (CUDA guarantees 256).
 pub const ALIGNMENT: usize = 512;
+
+/// The strict-mode bit of the capture gate (far above any count of
+/// announced captures).
+const STRICT: u64 = 1 << 63;
 
 static NEXT_POOL_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
@@ -155,14 +159,17 @@ pub(crate) struct PoolInner<D: Device> {
     internal: AtomicBool,
     wait_pending: AtomicBool,
     release_threshold: AtomicU64,
+    /// The capture gate, read once (relaxed) per allocation and free: the
+    /// number of captures announced and not yet ended, plus [`STRICT`]
+    /// while the pool is in strict mode. Zero means "announced mode and no
+    /// capture underway": no capture query is needed.
+    capture_gate: AtomicU64,
     /// The arena and what is known complete, under one lock.
     pub arena: Mutex<ArenaState>,
     /// The stream table, events and completion.
     pub order: StreamOrder<D>,
     pub counters: Counters,
     pub raw: RawTable<Allocation>,
-    /// Announced captures (see `capture.rs`).
-    pub capture: CaptureState,
 }
 
 /// A stream-ordered memory pool over a [`Device`].
@@ -246,11 +253,11 @@ impl<D: Device> MemPool<D> {
             internal: AtomicBool::new(reuse.internal_dependencies),
             wait_pending: AtomicBool::new(reuse.wait_for_pending_frees),
             release_threshold: AtomicU64::new(config.release_threshold),
+            capture_gate: AtomicU64::new(if config.check_capture { STRICT } else { 0 }),
             arena: Mutex::new(ArenaState::new(Arena::new(va_size, page))),
             order: StreamOrder::new(id, device.clone()),
             counters: Counters::default(),
             raw: RawTable::default(),
-            capture: CaptureState::default(),
             device,
             config,
         });
@@ -367,7 +374,7 @@ impl<D: Device> MemPool<D> {
                 })
             }
         };
-        if inner.capture.must_check(inner.config.check_capture) {
+        if inner.capture_check_needed() {
             // A capturing stream gets graph memory (see `capture.rs`).
             if let AllocRoute::Graph(id) = crate::capture::alloc_route(&*inner.device, stream)? {
                 if !serve_capture {
@@ -407,14 +414,37 @@ impl<D: Device> MemPool<D> {
                 return Ok(alloc_at(offset));
             }
         }
+        let offset = self.alloc_slow(size, len, stream, looked)?;
+        Ok(alloc_at(offset))
+    }
+
+    /// Everything but a hit in the stream's own cache found through this
+    /// thread's recent entries: the table lookup, a block another stream
+    /// freed before an event this stream waited on, and the reuse policy's
+    /// steps.
+    #[cold]
+    #[inline(never)]
+    fn alloc_slow(
+        &self,
+        size: usize,
+        len: usize,
+        stream: Stream,
+        looked: bool,
+    ) -> Result<usize, PoolError> {
+        let inner = &*self.inner;
         let entry = inner.order.entry(stream)?;
         if !looked {
             if let Some(offset) = inner.take_cached(&entry, stream, size, len)? {
-                return Ok(alloc_at(offset));
+                return Ok(offset);
             }
         }
-        let offset = match crate::policy::acquire(inner.parts(), len, stream, &entry, inner.reuse())
-        {
+        let reuse = inner.reuse();
+        if reuse.follow_event_dependencies {
+            if let Some(offset) = inner.take_followed(&entry, stream, size, len) {
+                return Ok(offset);
+            }
+        }
+        let offset = match crate::policy::acquire(inner.parts(), len, stream, &entry, reuse) {
             Ok(off) => off,
             Err(mut e) => {
                 if let PoolError::OutOfMemory(report) = &mut e {
@@ -433,7 +463,7 @@ impl<D: Device> MemPool<D> {
             .on_alloc(&mut lock(&entry.state).counters, size as u64, false);
         inner.claim_headroom(missing);
         tracing::trace!(pool = inner.id, size, stream = stream.id(), offset, "alloc");
-        Ok(alloc_at(offset))
+        Ok(offset)
     }
 
     /// Free in stream order: the memory is reused only by work that cannot
@@ -484,7 +514,7 @@ impl<D: Device> MemPool<D> {
                 Err(e) => fail(e, allocation),
             };
         }
-        let check = inner.capture.must_check(inner.config.check_capture);
+        let check = inner.capture_check_needed();
         if check {
             // No pool block is freed inside a capture (see `capture.rs`).
             if let Err(e) = crate::capture::check_eager_free(&*inner.device, stream) {
@@ -801,6 +831,60 @@ impl<D: Device> MemPool<D> {
         self.inner.release_threshold.store(bytes, Ordering::Relaxed);
     }
 
+    /// Switch between strict capture checking (the default: every
+    /// allocation and free asks the driver whether its stream is being
+    /// captured, which also sees captures begun by anyone with the raw
+    /// driver call) and announced mode (`true`): the caller announces each
+    /// capture with [`begin_announced_capture`](Self::begin_announced_capture)
+    /// before issuing work on the capturing stream and ends it with
+    /// [`end_announced_capture`](Self::end_announced_capture); while no
+    /// capture is announced, allocations and frees ask the driver nothing
+    /// (one relaxed atomic load). A capture begun without an announcement
+    /// is not seen in announced mode. A pool created with
+    /// [`PoolConfig::check_capture`] off starts in announced mode.
+    pub fn set_announced_captures(&self, announced: bool) {
+        let gate = &self.inner.capture_gate;
+        if announced {
+            gate.fetch_and(!STRICT, Ordering::Relaxed);
+        } else {
+            gate.fetch_or(STRICT, Ordering::Relaxed);
+        }
+    }
+
+    /// Announce a capture about to begin on `stream` (announced mode: see
+    /// [`set_announced_captures`](Self::set_announced_captures)). While any
+    /// announced capture is underway, every allocation and free asks the
+    /// driver about its stream, as in strict mode. Announcements nest and
+    /// count: each needs its [`end_announced_capture`](Self::end_announced_capture).
+    pub fn begin_announced_capture(&self, stream: Stream) {
+        let n = self.inner.capture_gate.fetch_add(1, Ordering::Relaxed) & !STRICT;
+        tracing::debug!(pool = self.inner.id, %stream, underway = n + 1, "capture announced");
+    }
+
+    /// The capture announced on `stream` has ended. An end with no
+    /// announcement underway is ignored (logged, and false is returned).
+    pub fn end_announced_capture(&self, stream: Stream) -> bool {
+        let ended =
+            self.inner
+                .capture_gate
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |g| {
+                    (g & !STRICT > 0).then(|| g - 1)
+                });
+        if ended.is_err() {
+            tracing::warn!(
+                pool = self.inner.id,
+                %stream,
+                "end_announced_capture without a capture announced: ignored"
+            );
+        }
+        ended.is_ok()
+    }
+
+    /// Announced captures not yet ended.
+    pub fn announced_captures(&self) -> u64 {
+        self.inner.capture_gate.load(Ordering::Relaxed) & !STRICT
+    }
+
     /// Forget a stream (before destroying it, or when an adopted raw stream
     /// is retired). Its cached frees go back to the pool, still guarded by
     /// the stream's work; allocating or freeing on it afterwards is an error.
@@ -952,8 +1036,18 @@ pub fn default_pool<D: Device>(device: &Arc<D>) -> Result<MemPool<D>, PoolError>
 }
 
 impl<D: Device> PoolInner<D> {
+    /// Whether allocations and frees must ask the device about capture
+    /// now (see [`MemPool::set_announced_captures`]): always in strict
+    /// mode; in announced mode only while a capture is announced. One
+    /// relaxed load of the capture gate.
+    #[inline]
+    pub(crate) fn capture_check_needed(&self) -> bool {
+        self.capture_gate.load(Ordering::Relaxed) != 0
+    }
+
     /// Step 0 of an allocation: a block of exactly `len` bytes from the
     /// stream's own cache (freed on this stream, so no event is needed).
+    #[inline]
     fn take_cached(
         &self,
         entry: &StreamEntry,
@@ -965,7 +1059,7 @@ impl<D: Device> PoolInner<D> {
         if st.retired {
             return Err(PoolError::StreamRetired { stream });
         }
-        let Some(block) = st.cache.get_mut(&len).and_then(Vec::pop) else {
+        let Some(block) = st.cache.pop(len) else {
             return Ok(None);
         };
         st.cached_bytes -= len;
@@ -981,12 +1075,61 @@ impl<D: Device> PoolInner<D> {
         Ok(Some(block.offset))
     }
 
+    /// A block of exactly `len` bytes from the private cache of a stream
+    /// this one has waited on through the pool, freed there no later than
+    /// the epoch the wait covers: all the work before that free is ordered
+    /// before this stream's later work, so the block is this stream's at
+    /// once (the "follow event dependencies" rule), without moving any
+    /// cache into the arena. Visits only the streams in this stream's
+    /// clock. The stream's own lock is not held while another's is taken.
+    fn take_followed(
+        &self,
+        entry: &StreamEntry,
+        stream: Stream,
+        size: usize,
+        len: usize,
+    ) -> Option<usize> {
+        let clock = {
+            let st = lock(&entry.state);
+            if st.retired || st.clock.is_empty() {
+                return None;
+            }
+            st.clock.clone()
+        };
+        let me = stream.id();
+        let (block, from) = clock
+            .iter()
+            .filter(|&(s, _)| s != me)
+            .find_map(|(s, covered)| {
+                let other = self.order.entry_by_id(s)?;
+                let mut o = lock(&other.state);
+                let b = o.cache.take_covered(len, covered)?;
+                o.cached_bytes -= len;
+                Some((b, s))
+            })?;
+        let missing = {
+            let mut st = lock(&entry.state);
+            self.counters.on_alloc(&mut st.counters, size as u64, false)
+        };
+        self.claim_headroom(missing);
+        tracing::trace!(
+            pool = self.id,
+            size,
+            stream = me,
+            from,
+            epoch = block.epoch,
+            "alloc (cache of a stream waited on)"
+        );
+        Some(block.offset)
+    }
+
     /// Record a free in the stream's state: into its cache while the cache
     /// has room (one block of any size may always stay: a stream that frees
     /// and reallocates 1 GiB would otherwise pay the arena's page
     /// bookkeeping each time; caches join the arena before any growth, so
     /// this never costs footprint). Returns the epoch to guard the range
     /// with when it goes to the arena instead.
+    #[inline]
     fn stash_free(
         &self,
         entry: &StreamEntry,
@@ -1000,19 +1143,31 @@ impl<D: Device> PoolInner<D> {
             return Err(PoolError::StreamRetired { stream });
         }
         st.frees_in_epoch = true;
+        self.order.note_busy(&mut st);
         self.counters.on_free(&mut st.counters, size);
+        let new_donor = !std::mem::replace(&mut st.donor, true);
         let epoch = st.epoch;
         let limit = self.config.stream_cache_bytes;
-        if limit > 0 && (st.cached_bytes + len <= limit || st.cached_bytes == 0) {
+        let spill = if limit > 0 && (st.cached_bytes + len <= limit || st.cached_bytes == 0) {
             st.cached_bytes += len;
-            st.cache
-                .entry(len)
-                .or_default()
-                .push(CachedBlock { offset, epoch });
-            Ok(None)
+            st.cache.push(len, CachedBlock { offset, epoch });
+            None
         } else {
-            Ok(Some(epoch))
+            Some(epoch)
+        };
+        drop(st);
+        if new_donor {
+            self.list_donor(stream);
         }
+        Ok(spill)
+    }
+
+    /// List `stream` as holding headroom (its `donor` flag was just set).
+    /// Called with no stream lock held: the ledger is locked before stream
+    /// locks.
+    #[cold]
+    fn list_donor(&self, stream: Stream) {
+        lock(&self.counters.ledger).donors.push(stream.id());
     }
 
     /// A free whose declared user stream `user` was destroyed without
@@ -1032,13 +1187,14 @@ impl<D: Device> PoolInner<D> {
         let entry = self.order.entry(stream)?;
         let user_entry = self.order.entry(user)?;
         let mut arena = lock(&self.arena);
-        {
+        let new_donor = {
             let mut st = lock(&entry.state);
             if st.retired {
                 return Err(PoolError::StreamRetired { stream });
             }
             self.counters.on_free(&mut st.counters, size);
-        }
+            !std::mem::replace(&mut st.donor, true)
+        };
         let epoch = {
             let mut u = lock(&user_entry.state);
             u.frees_in_epoch = true;
@@ -1053,6 +1209,10 @@ impl<D: Device> PoolInner<D> {
                 epoch,
             },
         );
+        drop(arena);
+        if new_donor {
+            self.list_donor(stream);
+        }
         tracing::debug!(
             pool = self.id,
             %user,
@@ -1084,7 +1244,7 @@ impl<D: Device> PoolInner<D> {
         }
         let mut ledger = lock(&self.counters.ledger);
         if ledger.unassigned < missing {
-            self.collect_headroom(&mut ledger);
+            self.collect_donors(&mut ledger);
         }
         if ledger.unassigned >= missing {
             ledger.unassigned -= missing;
@@ -1094,10 +1254,27 @@ impl<D: Device> PoolInner<D> {
         }
     }
 
+    /// Move the headroom of the listed donors into the ledger (every
+    /// stream with headroom is listed, except one whose free is between
+    /// taking headroom and listing itself: that free is ordered, for the
+    /// count, after this collection).
+    fn collect_donors(&self, ledger: &mut crate::stats::Ledger) {
+        for id in std::mem::take(&mut ledger.donors) {
+            if let Some(e) = self.order.entry_by_id(id) {
+                let mut st = lock(&e.state);
+                st.donor = false;
+                ledger.unassigned += std::mem::take(&mut st.counters.headroom);
+            }
+        }
+    }
+
     /// Move every stream's headroom into the ledger.
     pub(crate) fn collect_headroom(&self, ledger: &mut crate::stats::Ledger) {
+        ledger.donors.clear();
         for (_, e) in self.order.all_streams() {
-            ledger.unassigned += std::mem::take(&mut lock(&e.state).counters.headroom);
+            let mut st = lock(&e.state);
+            st.donor = false;
+            ledger.unassigned += std::mem::take(&mut st.counters.headroom);
         }
     }
 

@@ -90,10 +90,20 @@ pub(crate) struct StreamCounters {
 /// its own stream never touches the ledger, and a peak is never counted
 /// that did not happen (each allocation is ordered, for the count, at its
 /// claim here).
+///
+/// Collecting visits only the streams that hold headroom: a free that
+/// gives its stream headroom lists the stream in `donors` (once: the
+/// stream's `donor` flag, set under the stream's lock, says it is listed or
+/// about to be), and a collection empties the list and clears the flags of
+/// the streams it took from. An allocation short of headroom therefore
+/// costs what the streams freed since the last collection cost, not what
+/// every stream the pool ever met costs.
 #[derive(Debug, Default)]
 pub(crate) struct Ledger {
     pub used_high: u64,
     pub unassigned: u64,
+    /// Ids of streams that may hold headroom.
+    pub donors: Vec<u64>,
 }
 
 /// Pool-wide counters, updated outside the arena lock.

@@ -41,6 +41,9 @@ struct StreamModel {
     /// Work items completed (a prefix).
     done: u64,
     busy: bool,
+    /// Being captured (set by the scenario: the model records no graphs,
+    /// it only answers the capture query as the driver would).
+    capturing: bool,
     /// Wait items: position -> (stream, position) it depends on.
     deps: BTreeMap<u64, (u64, u64)>,
     /// For each other stream, the highest position this stream's tail is
@@ -211,6 +214,16 @@ impl ModelDevice {
 
     /// Mark a stream busy (its work does not complete) or idle (it
     /// completes everything it can now).
+    /// Put `stream` in or out of capture, as a raw driver call would (the
+    /// pool learns of it only through the capture query).
+    pub fn set_capturing(&self, stream: Stream, capturing: bool) {
+        let mut st = lock(&self.st);
+        st.streams
+            .get_mut(&stream.0)
+            .expect("stream exists")
+            .capturing = capturing;
+    }
+
     pub fn set_busy(&self, stream: Stream, busy: bool) {
         let mut st = lock(&self.st);
         st.streams.get_mut(&stream.0).expect("stream exists").busy = busy;
@@ -526,7 +539,7 @@ impl Device for ModelDevice {
 
     fn is_capturing(&self, stream: Stream) -> SysResult<bool> {
         let mut st = lock(&self.st);
-        st.stream(Op::IsCapturing, stream).map(|_| false)
+        st.stream(Op::IsCapturing, stream).map(|m| m.capturing)
     }
 
     fn check_stream(&self, stream: Stream) -> SysResult<()> {
@@ -648,8 +661,13 @@ impl Device for ModelDevice {
 
     fn capture_status(&self, stream: Stream) -> SysResult<tidepool_sys::CaptureStatus> {
         let mut st = lock(&self.st);
-        st.stream(Op::CaptureStatus, stream)
-            .map(|_| tidepool_sys::CaptureStatus::None)
+        st.stream(Op::CaptureStatus, stream).map(|m| {
+            if m.capturing {
+                tidepool_sys::CaptureStatus::Active { id: stream.0 }
+            } else {
+                tidepool_sys::CaptureStatus::None
+            }
+        })
     }
 
     fn graph_alloc(&self, _stream: Stream, _size: usize) -> SysResult<DevicePtr> {

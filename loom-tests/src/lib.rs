@@ -65,4 +65,25 @@ mod tests {
             scenarios::reuse_switch_publication();
         }
     }
+
+    #[test]
+    fn busy_list_free_vs_pass_std() {
+        for _ in 0..20 {
+            scenarios::busy_list_free_vs_pass();
+        }
+    }
+
+    #[test]
+    fn headroom_donors_std() {
+        for _ in 0..20 {
+            scenarios::headroom_donors();
+        }
+    }
+
+    #[test]
+    fn announced_capture_gate_std() {
+        for _ in 0..20 {
+            scenarios::announced_capture_gate();
+        }
+    }
 }

@@ -269,3 +269,136 @@ pub fn reuse_switch_publication() -> (bool, bool) {
     teardown(dev, pool);
     (seen, reused)
 }
+
+/// (g) The list of busy streams that the slow path's passes visit instead
+/// of every stream. Before the threads start, stream S has a free in its
+/// cache (so it is listed) and a second live block. Thread 1 frees that
+/// block on S; thread 2 trims, whose pass flushes S's cache, records an
+/// event and sees it complete: S is idle by the end of the pass and leaves
+/// the list, unless thread 1's free came in between. Afterwards a trim
+/// must release the page: S's second free must have been flushed, so S
+/// must still be listed if its cache holds it. Catches a pass that decides
+/// "idle" under S's lock and clears S's `listed` flag after letting go of
+/// the lock (a free in between sees S listed, does not list it again, and
+/// its block is never flushed).
+pub fn busy_list_free_vs_pass() {
+    let (dev, pool) = setup(4096);
+    let s = dev.create_stream().unwrap();
+    let x = alloc(&dev, &pool, 1000, s);
+    let y = alloc(&dev, &pool, 1000, s);
+    free(&dev, &pool, x, s);
+    let t1 = {
+        let (dev, pool) = (dev.clone(), pool.clone());
+        thread::spawn(move || free(&dev, &pool, y, s))
+    };
+    let t2 = {
+        let pool = pool.clone();
+        thread::spawn(move || {
+            pool.trim_to(0).unwrap();
+        })
+    };
+    t1.join().unwrap();
+    t2.join().unwrap();
+    pool.trim_to(0).unwrap();
+    let st = pool.stats();
+    assert_eq!(
+        st.reserved_current, 0,
+        "a cached free was never flushed into the arena: {st:?}"
+    );
+    teardown(dev, pool);
+}
+
+/// (h) The ledger's list of streams holding headroom. Stream A allocated
+/// x and y and freed x (A holds 1000 bytes of headroom and is listed).
+/// Thread 1 frees y on A; thread 2 allocates 1000 bytes on B, which has no
+/// headroom and collects the listed streams'. Then B allocates 1000 bytes
+/// more. The live set never passed 2000 bytes, so `used_high` must be
+/// 2000 in every interleaving: the headroom y's free gave A must be found
+/// by the second collection. Catches a collection that takes a stream's
+/// headroom under its lock and clears its `donor` flag only after letting
+/// go of it (a free in between adds headroom, sees the flag set, does not
+/// list A again, and the headroom is stranded: the peak reads 3000).
+pub fn headroom_donors() {
+    let (dev, pool) = setup(0);
+    let a = dev.create_stream().unwrap();
+    let b = dev.create_stream().unwrap();
+    let x = alloc(&dev, &pool, 1000, a);
+    let y = alloc(&dev, &pool, 1000, a);
+    free(&dev, &pool, x, a);
+    let t1 = {
+        let (dev, pool) = (dev.clone(), pool.clone());
+        thread::spawn(move || free(&dev, &pool, y, a))
+    };
+    let t2 = {
+        let (dev, pool) = (dev.clone(), pool.clone());
+        thread::spawn(move || alloc(&dev, &pool, 1000, b))
+    };
+    t1.join().unwrap();
+    let z = t2.join().unwrap();
+    let w = alloc(&dev, &pool, 1000, b);
+    let st = pool.stats();
+    assert_eq!((st.used_current, st.used_high), (2000, 2000), "{st:?}");
+    free(&dev, &pool, z, b);
+    free(&dev, &pool, w, b);
+    dev.complete_all();
+    teardown(dev, pool);
+}
+
+/// (i) The capture gate of announced mode: one relaxed counter of
+/// announced captures. Threads 1 and 2 each put their own stream in capture
+/// (a raw call: only the capture query sees it) and announce it; then the
+/// main thread ends thread 1's capture and allocates on thread 2's stream,
+/// still capturing: that must take the capture route (graph memory, never
+/// the pool's own) in every interleaving, so the
+/// count must be 1, not 0, after two announcements and one end. Catches an
+/// announcement made as a load and a store instead of one read-modify-write
+/// (two racing announcements count once). Thread 2 also allocates on a
+/// third, never-captured stream right after its announcement: served, with
+/// the query asked or not.
+pub fn announced_capture_gate() {
+    let dev = Arc::new(ModelDevice::new(CAPACITY_PAGES));
+    let mut c = config(1024);
+    c.check_capture = true;
+    let pool = MemPool::new(dev.clone(), c).expect("pool");
+    pool.set_announced_captures(true);
+    let (s1, s2, plain) = (
+        dev.create_stream().unwrap(),
+        dev.create_stream().unwrap(),
+        dev.create_stream().unwrap(),
+    );
+    let t1 = {
+        let (dev, pool) = (dev.clone(), pool.clone());
+        thread::spawn(move || {
+            dev.set_capturing(s1, true);
+            pool.begin_announced_capture(s1);
+        })
+    };
+    let t2 = {
+        let (dev, pool) = (dev.clone(), pool.clone());
+        thread::spawn(move || {
+            dev.set_capturing(s2, true);
+            pool.begin_announced_capture(s2);
+            let x = alloc(&dev, &pool, 1000, plain);
+            free(&dev, &pool, x, plain);
+        })
+    };
+    t1.join().unwrap();
+    t2.join().unwrap();
+    dev.set_capturing(s1, false);
+    pool.end_announced_capture(s1);
+    assert_eq!(pool.announced_captures(), 1);
+    // Seen as capturing: the pool asks for graph memory (which the model
+    // device does not have) instead of handing out its own.
+    assert!(matches!(
+        pool.alloc_async(1000, s2),
+        Err(PoolError::Device(tidepool_sys::SysError::Unsupported {
+            op: tidepool_sys::Op::GraphAlloc,
+            ..
+        }))
+    ));
+    dev.set_capturing(s2, false);
+    pool.end_announced_capture(s2);
+    assert_eq!(pool.announced_captures(), 0);
+    dev.complete_all();
+    teardown(dev, pool);
+}

@@ -89,3 +89,18 @@ fn f_reuse_switch_publication() {
     );
     assert!(flagged > 0 && reused > 0);
 }
+
+#[test]
+fn g_busy_list_free_vs_pass() {
+    loom::model(scenarios::busy_list_free_vs_pass);
+}
+
+#[test]
+fn h_headroom_donors() {
+    loom::model(scenarios::headroom_donors);
+}
+
+#[test]
+fn i_announced_capture_gate() {
+    loom::model(scenarios::announced_capture_gate);
+}
