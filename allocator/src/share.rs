@@ -360,10 +360,14 @@ impl<D: Device> MemPool<D> {
         // The exports lock is held from here on, so that a free (which
         // closes the leases under it) cannot slip in between.
         let mut exports = lock(&inner.share.exports);
-        let entry = exports.entry(allocation.ptr).or_insert_with(|| Exported {
+        exports.entry(allocation.ptr).or_insert_with(|| Exported {
             tag: fresh_tag(),
             leases: Vec::new(),
         });
+        // Counted before anything can fail: a count above the map's size
+        // only sends frees to the lock; one below it would skip a close.
+        inner.share.note_exports(exports.len());
+        let entry = exports.get_mut(&allocation.ptr).expect("inserted above");
         let tag = entry.tag;
         let desc = Descriptor {
             backend: backend_code(inner.device.backend_name()),

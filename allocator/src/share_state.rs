@@ -5,7 +5,7 @@
 //! built on it.
 
 use crate::error::PoolError;
-use crate::sync::{lock, Arc, Mutex};
+use crate::sync::{lock, Arc, AtomicU64, Mutex};
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use tidepool_sys::ipc::SharedWords;
@@ -34,6 +34,11 @@ pub(crate) const SEALS_AT: usize = 2;
 pub(crate) struct ShareState {
     pub(crate) access: Mutex<Vec<AccessDesc>>,
     pub(crate) exports: Mutex<HashMap<DevicePtr, Exported>>,
+    /// At least the number of entries of `exports` (set under its lock
+    /// after every insert, exact after every removal), so that a free in a
+    /// pool that exports nothing reads one atomic instead of taking a lock
+    /// every thread's free would share.
+    exported: AtomicU64,
     pub(crate) imports: Mutex<HashMap<DevicePtr, ImportRecord>>,
 }
 
@@ -60,6 +65,7 @@ impl ShareState {
         ShareState {
             access: Mutex::new(access),
             exports: Mutex::new(HashMap::new()),
+            exported: AtomicU64::new(0),
             imports: Mutex::new(HashMap::new()),
         }
     }
@@ -98,6 +104,12 @@ impl ShareState {
     /// the free while an import of it is live. Should the free fail after
     /// all, [`ShareState::reopen`] undoes the close.
     pub(crate) fn check_free(&self, ptr: DevicePtr) -> Result<Closed, PoolError> {
+        // An export of this allocation happened before its free (the
+        // caller's own order: exporting needs the allocation), so its
+        // count is seen here.
+        if self.exported.load(Ordering::Acquire) == 0 {
+            return Ok(Closed(None));
+        }
         let mut exports = lock(&self.exports);
         let Some(Exported { leases, .. }) = exports.get(&ptr) else {
             return Ok(Closed(None));
@@ -133,7 +145,9 @@ impl ShareState {
             // CLOSING -> CLOSED: nobody else changes a marked word.
             l.word(0).store(CLOSED, Ordering::Release);
         }
-        Ok(Closed(exports.remove(&ptr).map(|e| (ptr, e))))
+        let closed = exports.remove(&ptr).map(|e| (ptr, e));
+        self.note_exports(exports.len());
+        Ok(Closed(closed))
     }
 
     /// Undo [`ShareState::check_free`] for a free that failed later: the
@@ -143,8 +157,16 @@ impl ShareState {
             for l in &exported.leases {
                 l.word(0).fetch_and(!CLOSED, Ordering::AcqRel);
             }
-            lock(&self.exports).insert(ptr, exported);
+            let mut exports = lock(&self.exports);
+            exports.insert(ptr, exported);
+            self.note_exports(exports.len());
         }
+    }
+
+    /// Record how many allocations are exported; called with the exports
+    /// lock held, after each change of the map.
+    pub(crate) fn note_exports(&self, len: usize) {
+        self.exported.store(len as u64, Ordering::Release);
     }
 }
 
