@@ -36,7 +36,8 @@ fn captured_pool_buffers_replay_100_times_beside_eager_work() {
     const GRAPH_TAG: u32 = 0x6a6a_0001;
 
     // Made before the capture: the graph copies into `out`; `errors`
-    // counts mismatching words over all the checks.
+    // counts the words of the graph's buffer that missed their tag, as
+    // checked inside the graph at every launch.
     let mut out = a.alloc_zeros::<u32>(words).expect("out");
     let mut errors = a.cuda_stream().alloc_zeros::<u64>(1).expect("errors");
     let doomed = a.alloc_zeros::<u32>(1024).expect("doomed");
@@ -48,11 +49,13 @@ fn captured_pool_buffers_replay_100_times_beside_eager_work() {
     // Graph memory: allocated, filled, copied out and freed by the graph.
     // SAFETY: filled before it is read.
     let mut tmp = unsafe { a.alloc::<u32>(words) }.expect("alloc inside the capture");
+    let tmp_addr = tmp.ptr();
     assert!(
         !pool.contains(tmp.ptr()),
         "a buffer made inside a capture is graph memory, not a pool block"
     );
     tags.fill(&a, &mut tmp, GRAPH_TAG);
+    tags.verify(&a, &tmp, GRAPH_TAG, &mut errors);
     a.memcpy_dtod(&tmp, &mut out).expect("copy out");
     drop(tmp);
     // Eager work of the same pool on another stream meanwhile: served by
@@ -79,12 +82,19 @@ fn captured_pool_buffers_replay_100_times_beside_eager_work() {
         "the eager block and the refused free's block are both still counted"
     );
 
+    // The tag pattern depends on the address: `out` must hold the words
+    // of the graph's buffer at its address.
+    let expected: Vec<u32> = (0..words)
+        .map(|i| tidepool_kernels::tag_word(GRAPH_TAG, tmp_addr + 4 * i as u64))
+        .collect();
+    let mut wrong_out = 0usize;
     let mut b_errors = b.cuda_stream().alloc_zeros::<u64>(1).expect("errors");
     for launch in 0..LAUNCHES {
         // `out` is cleared, then the graph must write it again.
         a.memset_zeros(&mut out).expect("clear out");
         graph.launch().expect("launch");
-        tags.verify(&a, &out, GRAPH_TAG, &mut errors);
+        let copied = a.clone_dtoh(&out).expect("dtoh out");
+        wrong_out += copied.iter().zip(&expected).filter(|(x, y)| x != y).count();
         // Eager churn on B between launches: fresh blocks, checked.
         let mut churn = b
             .alloc_zeros::<u32>(words / 2 + launch as usize)
@@ -101,7 +111,11 @@ fn captured_pool_buffers_replay_100_times_beside_eager_work() {
     let bad_b = b.clone_dtoh(&b_errors).expect("dtoh")[0];
     assert_eq!(
         bad, 0,
-        "{bad} words of the graph's output were wrong over {LAUNCHES} launches"
+        "{bad} words of the graph's buffer missed their tag over {LAUNCHES} launches"
+    );
+    assert_eq!(
+        wrong_out, 0,
+        "{wrong_out} words copied out of the graph were wrong over {LAUNCHES} launches"
     );
     assert_eq!(bad_b, 0, "{bad_b} words of eager blocks were overwritten");
     ctx.check_err().expect("no driver error recorded by cudarc");

@@ -32,9 +32,12 @@ fn buffers_made_in_captures_with_tracking_on_replay_without_driver_errors() {
     let words = (1 << 20) / 4;
     // A plain cudarc slice (not touched by cudarc inside the captures).
     let out = a.cuda_stream().alloc_zeros::<u32>(words * 2).expect("out");
-    let mut errors = a.cuda_stream().alloc_zeros::<u64>(1).expect("errors");
     a.synchronize().expect("sync");
-    let (out_ptr, _sync) = out.device_ptr(a.cuda_stream());
+    let out_ptr = {
+        let (ptr, read) = out.device_ptr(a.cuda_stream());
+        drop(read);
+        ptr
+    };
 
     let mut graphs = Vec::new();
     let mut addrs = Vec::new();
@@ -65,18 +68,29 @@ fn buffers_made_in_captures_with_tracking_on_replay_without_driver_errors() {
     }
     a.synchronize().expect("sync");
     ctx.check_err().expect("no driver error recorded by cudarc");
-    // Check both halves of `out` on the device, outside any capture.
+    // Each half of `out` holds its graph's buffer, whose tag pattern
+    // depends on the buffer's address.
+    let mut bad = 0usize;
     for (i, (_, tag)) in graphs.iter().enumerate() {
-        let half = out.slice(i * words..(i + 1) * words);
-        let mut check = a.alloc_zeros::<u32>(words).expect("check buffer");
-        a.memcpy_dtod(&half, &mut check).expect("copy half");
-        tags.verify(&a, &check, *tag, &mut errors);
+        let half = a
+            .clone_dtoh(&out.slice(i * words..(i + 1) * words))
+            .expect("dtoh");
+        bad += half
+            .iter()
+            .enumerate()
+            .filter(|&(w, &x)| x != tidepool_kernels::tag_word(*tag, addrs[i] + 4 * w as u64))
+            .count();
     }
-    a.synchronize().expect("sync");
-    let bad = a.clone_dtoh(&errors).expect("dtoh")[0];
     assert_eq!(bad, 0, "{bad} words written by the graphs were wrong");
     ctx.check_err().expect("no driver error recorded by cudarc");
     report_addresses(&addrs);
+    // The stream's last user goes: whatever the adapter kept of the
+    // buffers made inside the captures is released now, outside them.
+    drop(graphs);
+    drop(a);
+    ctx.synchronize().expect("sync");
+    ctx.check_err()
+        .expect("no driver error recorded by cudarc after the stream's release");
 }
 
 /// Where the captures put their buffers (graph memory is usually reused at
