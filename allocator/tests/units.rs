@@ -129,7 +129,12 @@ fn a_partly_used_unit_does_not_move() {
     let a = pool.alloc_async(8 * MIB, s).unwrap();
     pool.free_async(a, s).unwrap();
     pool.synchronize().unwrap();
+    // A block on the unit's second page only.
+    let first = pool.alloc_async(PAGE, s).unwrap();
     let small = pool.alloc_async(MIB, s).unwrap();
+    assert_eq!(small.ptr(), first.ptr() + PAGE as u64, "on the second page");
+    pool.free_async(first, s).unwrap();
+    pool.synchronize().unwrap();
     dev.write_words(small.ptr(), &[0xfeed]).unwrap();
     let b = pool.alloc_async(16 * MIB, s).unwrap();
     let st = pool.stats();
@@ -161,4 +166,36 @@ fn dropping_the_pool_unmaps_and_releases_every_unit_whole() {
     drop(pool);
     assert_eq!(dev.live_mappings(), 0, "every mapping unmapped whole");
     assert_eq!(dev.live_handles(), 0, "every unit released");
+}
+
+#[test]
+fn a_unit_comes_back_to_its_ghost_only_when_wholly_free() {
+    // Room for 24 MiB. A 16 MiB block grows two units of 8 MiB; an 8 MiB
+    // block in another zone then takes one of them (it moves, its old
+    // mapping stays as a ghost); a block on its second page keeps it
+    // there. The 16 MiB block again must not take the unit back through
+    // its ghost: it grows a new unit instead.
+    let (dev, pool, s) = pool(Some(24 * MIB as u64));
+    let big = pool.alloc_async(16 * MIB, s).unwrap();
+    let big_ptr = big.ptr();
+    pool.free_async(big, s).unwrap();
+    pool.synchronize().unwrap();
+    let mid = pool.alloc_async(8 * MIB, s).unwrap();
+    assert_eq!(pool.stats().growths, 2, "the 8 MiB block took a moved unit");
+    pool.free_async(mid, s).unwrap();
+    pool.synchronize().unwrap();
+    let first = pool.alloc_async(PAGE, s).unwrap();
+    let small = pool.alloc_async(MIB, s).unwrap();
+    assert_eq!(small.ptr(), first.ptr() + PAGE as u64, "on the second page");
+    pool.free_async(first, s).unwrap();
+    pool.synchronize().unwrap();
+    dev.write_words(small.ptr(), &[0xbeef]).unwrap();
+    let again = pool.alloc_async(16 * MIB, s).unwrap();
+    assert_eq!(again.ptr(), big_ptr, "first fit: the same place");
+    assert_eq!(pool.stats().growths, 3, "a new unit, not the busy one");
+    assert_eq!(dev.read_words(small.ptr(), 1).unwrap(), vec![0xbeef]);
+    touch_every_page(&dev, again.ptr(), 16 * MIB, 8);
+    touch_every_page(&dev, small.ptr(), MIB, 9);
+    pool.free_async(again, s).unwrap();
+    pool.free_async(small, s).unwrap();
 }
