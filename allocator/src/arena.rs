@@ -7,6 +7,8 @@
 //! whole pages). Physical pages are all the same size, so any page that is
 //! wholly free and whose frees are complete can be unmapped from where it
 //! sits and mapped where a request needs it: that is the defragmentation.
+//! A *unit* (one physical handle over several consecutive pages) is
+//! active, mapped and moved only whole: all of its pages at once.
 //! Moving a page does not unmap it from where it was: the old mapping stays
 //! as a *ghost* (inactive: its bytes are a hole), so that when the page
 //! becomes idle again and that place needs memory again, it is reactivated

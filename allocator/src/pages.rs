@@ -8,6 +8,12 @@
 //! Map, unmap and release act at once, not in stream order: every page
 //! touched here is idle and known complete (the callers' guarantee, checked
 //! through `placement`'s `page_complete`), or new.
+//!
+//! Physical memory comes as single pages or, for large blocks where the
+//! configuration asks for it, as *units*: one handle over several
+//! consecutive pages. A handle can only be mapped whole, so every
+//! operation here maps, unmaps, moves and releases a unit whole, and only
+//! when no block uses any of its pages.
 
 use crate::config::{PoolConfig, ReusePolicy};
 use crate::ordering::VectorClock;
