@@ -199,3 +199,24 @@ fn a_unit_comes_back_to_its_ghost_only_when_wholly_free() {
     pool.free_async(again, s).unwrap();
     pool.free_async(small, s).unwrap();
 }
+
+#[test]
+fn an_exportable_pool_uses_single_pages() {
+    // An importer maps one handle per page of the exported allocation.
+    let dev = Arc::new(HostDevice::new());
+    let pool = MemPool::new(
+        dev.clone(),
+        PoolConfig::default()
+            .with_va_size(1 << 30)
+            .with_exportable(true)
+            .with_max_unit_size(8 * MIB)
+            .with_unit_min_block(4 * MIB),
+    )
+    .unwrap();
+    let s = dev.create_stream().unwrap();
+    let a = pool.alloc_async(8 * MIB, s).unwrap();
+    assert_eq!(pool.stats().growths, 4, "single pages");
+    let exported = pool.export(&a).expect("export");
+    drop(exported);
+    pool.free_async(a, s).unwrap();
+}
