@@ -86,4 +86,11 @@ mod tests {
             scenarios::announced_capture_gate();
         }
     }
+
+    #[test]
+    fn lean_lock_excludes_std() {
+        for _ in 0..20 {
+            scenarios::lean_lock_excludes();
+        }
+    }
 }

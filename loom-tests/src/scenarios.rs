@@ -402,3 +402,38 @@ pub fn announced_capture_gate() {
     dev.complete_all();
     teardown(dev, pool);
 }
+
+/// (j) The per-stream lock alone ([`tidepool_sys::sync::LeanMutex`]: one
+/// compare-and-swap to take, one store to release): two threads each
+/// take it twice and increment the plain (non-atomic) value behind it
+/// (read, then write, with a yield point in between). Under loom the value
+/// sits in loom's cell, which fails the model if two threads ever touch it
+/// without the lock ordering them; the end checks no increment was lost.
+/// Returns whether the second thread got the lock first at least once
+/// (both orders must be explored).
+pub fn lean_lock_excludes() -> bool {
+    use tidepool_sys::sync::LeanMutex;
+    let m = Arc::new(LeanMutex::new(0u32));
+    let m2 = m.clone();
+    let t = thread::spawn(move || {
+        let mut first = false;
+        for _ in 0..2 {
+            let mut g = m2.lock();
+            first |= *g == 0;
+            let v = *g;
+            thread::yield_now();
+            *g = v + 1;
+        }
+        first
+    });
+    for _ in 0..2 {
+        let mut g = m.lock();
+        let v = *g;
+        thread::yield_now();
+        *g = v + 1;
+    }
+    let second_first = t.join().expect("thread");
+    let g = m.lock();
+    assert_eq!(*g, 4, "an increment under the lock was lost");
+    second_first
+}
