@@ -30,7 +30,7 @@
 
 use crate::arena::{Arena, Guard};
 use crate::error::PoolError;
-use crate::sync::{lock, Arc, LeanMutex, Mutex, RwLock};
+use crate::sync::{lock, Arc, AtomicBool, LeanMutex, Mutex, Ordering, RwLock};
 use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 use tidepool_sys::{Device, Event, Stream, StreamProbe, SysError, SysResult};
@@ -85,27 +85,10 @@ pub(crate) struct EventRecord {
     pub epoch: u64,
     /// The recording stream's clock at the record, including itself at `epoch`.
     pub clock: VectorClock,
-    pub sink: Arc<dyn EventSink>,
-}
-
-/// `Arc<S>` as `Arc<dyn EventSink>`. loom's `Arc` cannot unsize, so under
-/// `cfg(loom)` the loom `Arc` is wrapped in a std `Arc` and handed to loom's
-/// `Arc::from_std` (one extra allocation per recorded event, models only).
-#[cfg(not(loom))]
-fn dyn_sink<S: EventSink + 'static>(sink: Arc<S>) -> Arc<dyn EventSink> {
-    sink
-}
-
-#[cfg(loom)]
-fn dyn_sink<S: EventSink + 'static>(sink: Arc<S>) -> Arc<dyn EventSink> {
-    Arc::from_std(std::sync::Arc::new(sink))
-}
-
-#[cfg(loom)]
-impl<S: EventSink> EventSink for Arc<S> {
-    fn release(&self, event: Event) {
-        (**self).release(event)
-    }
+    /// A std `Arc` under loom too: loom's cannot become a trait object,
+    /// and the sink is the pool's event recycler, which outlives every
+    /// record but the last (loom still sees the recycler's own lock).
+    pub sink: std::sync::Arc<dyn EventSink>,
 }
 
 impl Drop for EventRecord {
@@ -283,12 +266,11 @@ impl StreamState {
     }
 
     /// Close the current epoch with a freshly recorded event.
-    pub fn close_epoch<S: EventSink + 'static>(
+    pub fn close_epoch(
         &mut self,
         event: Event,
-        sink: Arc<S>,
+        sink: std::sync::Arc<dyn EventSink>,
     ) -> Arc<EventRecord> {
-        let sink = dyn_sink(sink);
         let epoch = self.epoch;
         let mut clock = self.clock.clone();
         clock.raise(self.stream.id(), epoch);
@@ -593,21 +575,55 @@ impl Completion {
 pub(crate) struct StreamOrder<D: Device> {
     pool: u64,
     device: Arc<D>,
-    events: Arc<EventRecycler<D>>,
-    streams: RwLock<HashMap<u64, Arc<StreamEntry>>>,
+    events: std::sync::Arc<EventRecycler<D>>,
+    streams: RwLock<StreamTable>,
     /// Ids of the streams that may be [`StreamState::busy`] (each at most
     /// once: a stream's `listed` flag says whether it is here).
     busy: Mutex<Vec<u64>>,
+    /// Retired streams still in the table, and the ids of those forgotten.
+    retired: Mutex<Retired>,
+    /// Whether `retired` lists a stream still in the table (one load on
+    /// the paths that offer to forget them).
+    retired_waiting: AtomicBool,
+}
+
+/// Retired streams still in the table because something may still need
+/// their entry (cached frees or events not yet seen complete, an epoch
+/// closed without an event).
+#[derive(Default)]
+struct Retired {
+    waiting: Vec<u64>,
+}
+
+/// The stream table: an entry per stream met and not forgotten, and the
+/// ids of the retired streams dropped from it, under one lock (a stream
+/// leaves the map and joins `forgotten` at once, so a lookup never misses
+/// both). Ids are never reused, so a forgotten id only ever means
+/// "retired": it is kept (8 bytes) so that the stream is refused rather
+/// than met anew. Reads as the map.
+#[derive(Default)]
+pub(crate) struct StreamTable {
+    map: HashMap<u64, Arc<StreamEntry>>,
+    forgotten: std::collections::HashSet<u64, BuildIntHasher>,
+}
+
+impl std::ops::Deref for StreamTable {
+    type Target = HashMap<u64, Arc<StreamEntry>>;
+    fn deref(&self) -> &Self::Target {
+        &self.map
+    }
 }
 
 impl<D: Device> StreamOrder<D> {
     pub fn new(pool: u64, device: Arc<D>) -> Self {
         StreamOrder {
             pool,
-            events: Arc::new(EventRecycler::new(device.clone())),
+            events: std::sync::Arc::new(EventRecycler::new(device.clone())),
             device,
-            streams: RwLock::new(HashMap::new()),
+            streams: RwLock::new(StreamTable::default()),
             busy: Mutex::new(Vec::new()),
+            retired: Mutex::new(Retired::default()),
+            retired_waiting: AtomicBool::new(false),
         }
     }
 
@@ -672,8 +688,13 @@ impl<D: Device> StreamOrder<D> {
             Err(e @ SysError::ForeignHandle { .. }) => return Err(e.into()),
             Err(_) => None,
         };
-        let mut map = self.streams.write().unwrap_or_else(|p| p.into_inner());
-        Ok(map
+        let mut table = self.streams.write().unwrap_or_else(|p| p.into_inner());
+        // A forgotten stream was retired: refused, not met anew.
+        if table.forgotten.contains(&stream.id()) {
+            return Err(PoolError::StreamRetired { stream });
+        }
+        Ok(table
+            .map
             .entry(stream.id())
             .or_insert_with(|| Arc::new(StreamEntry::new(stream, probe)))
             .clone())
@@ -705,6 +726,63 @@ impl<D: Device> StreamOrder<D> {
             .unwrap_or_else(|p| p.into_inner())
             .get(&id)
             .cloned()
+    }
+
+    /// `stream` was just retired (its entry marked so): list it, to be
+    /// dropped from the table once nothing needs its entry.
+    pub fn note_retired(&self, stream: Stream) {
+        lock(&self.retired).waiting.push(stream.id());
+        self.retired_waiting.store(true, Ordering::Release);
+    }
+
+    /// Whether retired streams wait to be forgotten (one load).
+    #[inline]
+    pub fn retired_waiting(&self) -> bool {
+        self.retired_waiting.load(Ordering::Acquire)
+    }
+
+    /// Drop from the table the retired streams whose entries nothing
+    /// needs any more: no cached frees, no frees without an event, no
+    /// event not yet seen complete, no epoch waiting for a device-wide
+    /// wait. `fold` gets each one's state, under its lock, just before it
+    /// goes (the caller keeps its counters). Lock order: the caller's
+    /// (the ledger), this list, then each stream, then the table (a leaf:
+    /// nothing is locked under it). Threads
+    /// that still hold the entry in their recent entries see it retired;
+    /// the others are refused by its id.
+    pub fn forget_retired(&self, mut fold: impl FnMut(&mut StreamState)) -> usize {
+        let mut retired = lock(&self.retired);
+        let mut forgotten = 0;
+        let mut i = 0;
+        while i < retired.waiting.len() {
+            let id = retired.waiting[i];
+            let Some(entry) = self.entry_by_id(id) else {
+                retired.waiting.swap_remove(i);
+                continue;
+            };
+            let mut st = lock(&entry.state);
+            if !st.retired || st.busy() || st.orphaned.is_some() {
+                i += 1;
+                continue;
+            }
+            fold(&mut st);
+            let mut table = self.streams.write().unwrap_or_else(|p| p.into_inner());
+            table.map.remove(&id);
+            table.forgotten.insert(id);
+            drop(table);
+            drop(st);
+            retired.waiting.swap_remove(i);
+            forgotten += 1;
+        }
+        self.retired_waiting
+            .store(!retired.waiting.is_empty(), Ordering::Release);
+        forgotten
+    }
+
+    /// Streams in the table (tests: retired streams do not pile up).
+    #[cfg(test)]
+    pub fn table_len(&self) -> usize {
+        self.streams.read().unwrap_or_else(|p| p.into_inner()).len()
     }
 
     /// Put the stream in the list of busy streams, if it is not there yet
@@ -982,8 +1060,11 @@ mod tests {
     /// a later pass records again) and gives the event back: the next
     /// record reuses it instead of creating another (no event leaks).
     #[test]
-    #[cfg(not(loom))]
     fn record_closing_gives_the_event_back_when_the_record_fails() {
+        crate::sync::model(record_closing_body);
+    }
+
+    fn record_closing_body() {
         let dev = Arc::new(FaultInjector::new(HostDevice::with_config(HostConfig {
             capacity: 8 << 20,
             granularity: 2 << 20,

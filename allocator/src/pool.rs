@@ -14,9 +14,7 @@ use crate::ordering::{CachedBlock, EventRecord, Reach, StreamEntry, StreamOrder}
 use crate::pages::Pages;
 use crate::placement::ArenaState;
 use crate::raw::{RawSize, RawTable};
-use crate::registry::CacheHolder;
-#[cfg(not(loom))]
-use crate::registry::PoolRecord;
+use crate::registry::{CacheHolder, PoolRecord};
 use crate::share_state::ShareState;
 use crate::stats::{Counters, PoolStats};
 use crate::sync::{lock, Arc, AtomicBool, AtomicU64, Mutex, Ordering};
@@ -261,17 +259,15 @@ impl<D: Device> MemPool<D> {
             device,
             config,
         });
-        // loom models run one pool alone (and loom's `Arc` cannot become a
-        // trait object): the registry only knows pools outside them.
-        #[cfg(not(loom))]
-        {
-            let holder: Arc<dyn CacheHolder> = inner.clone();
+        // In the process-wide registry (not under loom: see `std_weak`).
+        let holder = crate::sync::std_weak(&inner, |a| -> std::sync::Arc<dyn CacheHolder> { a });
+        if let Some(holder) = holder {
             crate::registry::register(PoolRecord {
                 id,
                 base,
                 size: va_size as u64,
                 device_key: device_key(&inner.device),
-                holder: Arc::downgrade(&holder),
+                holder,
             });
         }
         tracing::debug!(pool = id, base, va_size, page, "pool created");
@@ -475,6 +471,10 @@ impl<D: Device> MemPool<D> {
             .counters
             .on_alloc(&mut lock(&entry.state).counters, size as u64, false);
         inner.claim_headroom(missing);
+        if inner.order.retired_waiting() {
+            // The policy may have seen their last events complete.
+            inner.forget_retired();
+        }
         tracing::trace!(pool = inner.id, size, stream = stream.id(), offset, "alloc");
         Ok(self.allocation_at(offset, size, len, stream))
     }
@@ -773,6 +773,9 @@ impl<D: Device> MemPool<D> {
             }
         }
         inner.settle_orphans()?;
+        if inner.order.retired_waiting() {
+            inner.forget_retired();
+        }
         inner.release_to_threshold()
     }
 
@@ -932,7 +935,11 @@ impl<D: Device> MemPool<D> {
     /// the stream's work; allocating or freeing on it afterwards is an error.
     pub fn retire_stream(&self, stream: Stream) -> Result<(), PoolError> {
         let inner = &*self.inner;
-        let entry = inner.order.entry(stream)?;
+        let entry = match inner.order.entry(stream) {
+            // Retired and already forgotten.
+            Err(PoolError::StreamRetired { .. }) => return Ok(()),
+            r => r?,
+        };
         let (drained, orphaned) = {
             let mut st = lock(&entry.state);
             if st.retired {
@@ -969,9 +976,13 @@ impl<D: Device> MemPool<D> {
                 );
             }
         }
+        inner.order.note_retired(stream);
         if orphaned {
             inner.settle_orphans()?;
         }
+        // This stream, once its last events are seen complete, and those
+        // retired before it that are done by now leave the stream table.
+        inner.forget_retired();
         Ok(())
     }
 }
@@ -1071,7 +1082,6 @@ impl RawSize for Allocation {
 /// assert_ne!(default_pool(&other)?.id(), pool.id());
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
-#[cfg(not(loom))]
 pub fn default_pool<D: Device>(device: &Arc<D>) -> Result<MemPool<D>, PoolError> {
     let key = (device_key(device), std::any::TypeId::of::<D>());
     crate::registry::default_for(key, || MemPool::new(device.clone(), PoolConfig::default()))
@@ -1414,7 +1424,10 @@ impl<D: Device> PoolInner<D> {
     /// The streams' counters summed, `used_current` and `used_high`.
     pub(crate) fn counts(&self) -> (crate::stats::StreamCounters, u64, u64) {
         let ledger = lock(&self.counters.ledger);
-        let mut sum = crate::stats::StreamCounters::default();
+        let mut sum = crate::stats::StreamCounters {
+            headroom: 0,
+            ..ledger.forgotten
+        };
         for (_, e) in self.order.all_streams() {
             let c = lock(&e.state).counters;
             sum.allocs += c.allocs;
@@ -1427,6 +1440,22 @@ impl<D: Device> PoolInner<D> {
             .saturating_sub(ledger.unassigned)
             .saturating_sub(sum.headroom);
         (sum, used, ledger.used_high)
+    }
+
+    /// Drop from the stream table the retired streams nothing needs any
+    /// more, keeping their counts (headroom to the ledger's unassigned
+    /// bytes, the rest summed). Called with no lock held.
+    #[cold]
+    pub(crate) fn forget_retired(&self) {
+        let mut ledger = lock(&self.counters.ledger);
+        let ledger = &mut *ledger;
+        self.order.forget_retired(|st| {
+            let c = std::mem::take(&mut st.counters);
+            ledger.unassigned += c.headroom;
+            ledger.forgotten.allocs += c.allocs;
+            ledger.forgotten.frees += c.frees;
+            ledger.forgotten.cache_hits += c.cache_hits;
+        });
     }
 
     /// Bytes in live allocations now.
@@ -1480,6 +1509,11 @@ impl<D: Device> PoolInner<D> {
                 .observe_completions(arena, done, self.reuse().opportunistic);
         }
         let released = self.pages().trim(&mut st, target)?;
+        drop(st);
+        if self.order.retired_waiting() {
+            // Completions were just observed: retired streams may be done.
+            self.forget_retired();
+        }
         if released > 0 {
             tracing::debug!(pool = self.id, released, target, "trimmed");
         }
@@ -1544,5 +1578,63 @@ impl<D: Device> Drop for PoolInner<D> {
         if let Err(e) = self.device.free_va(self.base, self.va_size) {
             tracing::warn!(error = %e, "freeing the pool's address range failed");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tidepool_sys::{HostConfig, HostDevice};
+
+    /// Retired streams leave the stream table once nothing needs their
+    /// entries (here: after a trim observed their last events complete),
+    /// the pool's counts stay exact, and a forgotten stream is refused as
+    /// retired, not met anew.
+    #[test]
+    fn retired_streams_are_forgotten_and_stay_refused() {
+        crate::sync::model(retired_streams_body);
+    }
+
+    fn retired_streams_body() {
+        let dev = Arc::new(HostDevice::with_config(HostConfig {
+            capacity: 16 << 20,
+            granularity: 2 << 20,
+        }));
+        let pool = MemPool::new(dev.clone(), PoolConfig::default().with_va_size(64 << 20)).unwrap();
+        let order = &pool.inner.order;
+        let keep = dev.create_stream().unwrap();
+        let kept = pool.alloc_async(4096, keep).unwrap();
+        let mut retired = Vec::new();
+        for round in 0..40 {
+            let s = dev.create_stream().unwrap();
+            let a = pool.alloc_async(4096 + 512 * (round % 3), s).unwrap();
+            pool.free_async(a, s).unwrap();
+            pool.retire_stream(s).unwrap();
+            pool.synchronize_stream(keep).unwrap();
+            dev.synchronize_stream(s).unwrap();
+            pool.trim_to(u64::MAX).unwrap();
+            retired.push(s);
+            // This round's stream may wait for the next pass; no more.
+            assert!(
+                order.table_len() <= 3,
+                "round {round}: {}",
+                order.table_len()
+            );
+        }
+        pool.trim_to(u64::MAX).unwrap();
+        pool.retire_stream(keep).unwrap_or(());
+        let stats = pool.stats();
+        assert_eq!((stats.allocs, stats.frees), (41, 40));
+        assert_eq!(stats.used_current, 4096);
+        for s in retired {
+            assert!(matches!(
+                pool.alloc_async(4096, s),
+                Err(PoolError::StreamRetired { .. })
+            ));
+            pool.retire_stream(s).expect("retiring again is a no-op");
+        }
+        let k2 = dev.create_stream().unwrap();
+        pool.free_async(kept, k2).unwrap();
+        assert_eq!(pool.stats().used_current, 0);
     }
 }

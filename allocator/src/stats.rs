@@ -104,6 +104,9 @@ pub(crate) struct Ledger {
     pub unassigned: u64,
     /// Ids of streams that may hold headroom.
     pub donors: Vec<u64>,
+    /// The counts of streams retired and dropped from the stream table
+    /// (their headroom went to `unassigned`).
+    pub forgotten: StreamCounters,
 }
 
 /// Pool-wide counters, updated outside the arena lock.

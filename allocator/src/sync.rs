@@ -66,3 +66,35 @@ impl<T> Lock for LeanMutex<T> {
 pub(crate) fn lock<L: Lock>(m: &L) -> L::Guard<'_> {
     m.take()
 }
+
+/// A std `Weak` trait object of `arc`'s value, made by `coerce` (write it
+/// `|a| a`: std's `Arc` unsizes), for process-wide tables that outlive any
+/// one pool. `None` under loom: loom's `Arc` can neither unsize nor hand
+/// out a std one, and loom models run one pool alone, outside those tables.
+#[cfg(not(loom))]
+pub(crate) fn std_weak<T, U: ?Sized>(
+    arc: &Arc<T>,
+    coerce: impl FnOnce(std::sync::Arc<T>) -> std::sync::Arc<U>,
+) -> Option<std::sync::Weak<U>> {
+    Some(std::sync::Arc::downgrade(&coerce(arc.clone())))
+}
+
+#[cfg(loom)]
+pub(crate) fn std_weak<T, U: ?Sized>(
+    _arc: &Arc<T>,
+    _coerce: impl FnOnce(std::sync::Arc<T>) -> std::sync::Arc<U>,
+) -> Option<std::sync::Weak<U>> {
+    None
+}
+
+/// Run a unit test's body: once, or under `loom::model` (every
+/// interleaving; loom's primitives work only inside a model).
+#[cfg(all(test, not(loom)))]
+pub(crate) fn model(f: fn()) {
+    f()
+}
+
+#[cfg(all(test, loom))]
+pub(crate) fn model(f: fn()) {
+    loom::model(f)
+}

@@ -93,4 +93,11 @@ mod tests {
             scenarios::lean_lock_excludes();
         }
     }
+
+    #[test]
+    fn forget_retired_vs_stats_std() {
+        for _ in 0..20 {
+            scenarios::forget_retired_vs_stats();
+        }
+    }
 }

@@ -117,3 +117,8 @@ fn j_lean_lock_excludes() {
         "both orders must be explored"
     );
 }
+
+#[test]
+fn k_forget_retired_vs_stats() {
+    loom::model(scenarios::forget_retired_vs_stats);
+}
