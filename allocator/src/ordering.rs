@@ -154,10 +154,47 @@ const SMALL_CACHE_MAX: usize = 64 << 10;
 /// lengths a stream frees most often are small, and those are found by
 /// indexing an array with `len / 512` (no hashing); longer blocks go to a
 /// map keyed by length.
+///
+/// The array is one allocation aligned to and sized in whole 128-byte
+/// pairs of cache lines, and each length's most recent block sits in it
+/// (older ones in a list beside it): a stream whose thread frees and
+/// reallocates one block of a size writes only into its own lines, even
+/// when another thread made the cache (the first free on each stream,
+/// say) and the allocator placed the caches of several streams side by
+/// side.
 #[derive(Debug, Default)]
 pub(crate) struct SizeCache {
-    small: Vec<Vec<CachedBlock>>,
+    small: Option<Box<SmallSlots>>,
     large: HashMap<usize, Vec<CachedBlock>, BuildIntHasher>,
+}
+
+/// One slot per multiple of 512 bytes up to [`SMALL_CACHE_MAX`].
+const SMALL_SLOTS: usize = SMALL_CACHE_MAX / CACHE_GRAIN;
+
+#[derive(Debug)]
+#[repr(C, align(128))]
+struct SmallSlots([Slot; SMALL_SLOTS]);
+
+/// The blocks of one length: the most recent in place, older ones in
+/// `older` (oldest first).
+#[derive(Debug, Default)]
+struct Slot {
+    top: Option<CachedBlock>,
+    older: Vec<CachedBlock>,
+}
+
+impl Slot {
+    #[inline]
+    fn pop(&mut self) -> Option<CachedBlock> {
+        self.top.take().or_else(|| self.older.pop())
+    }
+
+    #[inline]
+    fn push(&mut self, block: CachedBlock) {
+        if let Some(prev) = self.top.replace(block) {
+            self.older.push(prev);
+        }
+    }
 }
 
 impl SizeCache {
@@ -170,7 +207,7 @@ impl SizeCache {
     #[inline]
     pub fn pop(&mut self, len: usize) -> Option<CachedBlock> {
         match Self::small_slot(len) {
-            Some(i) => self.small.get_mut(i)?.pop(),
+            Some(i) => self.small.as_mut()?.0[i].pop(),
             None => self.large.get_mut(&len)?.pop(),
         }
     }
@@ -178,12 +215,13 @@ impl SizeCache {
     #[inline]
     pub fn push(&mut self, len: usize, block: CachedBlock) {
         match Self::small_slot(len) {
-            Some(i) => {
-                if self.small.len() <= i {
-                    self.small.resize_with(i + 1, Vec::new);
-                }
-                self.small[i].push(block);
-            }
+            Some(i) => self
+                .small
+                .get_or_insert_with(|| {
+                    Box::new(SmallSlots(std::array::from_fn(|_| Slot::default())))
+                })
+                .0[i]
+                .push(block),
             None => self.large.entry(len).or_default().push(block),
         }
     }
@@ -191,21 +229,37 @@ impl SizeCache {
     /// The most recently cached block of exactly `len` bytes freed in
     /// epoch `epoch` or earlier.
     pub fn take_covered(&mut self, len: usize, epoch: u64) -> Option<CachedBlock> {
-        let list = match Self::small_slot(len) {
-            Some(i) => self.small.get_mut(i)?,
-            None => self.large.get_mut(&len)?,
-        };
-        let at = list.iter().rposition(|b| b.epoch <= epoch)?;
-        Some(list.remove(at))
+        match Self::small_slot(len) {
+            Some(i) => {
+                let slot = &mut self.small.as_mut()?.0[i];
+                if slot.top.is_some_and(|b| b.epoch <= epoch) {
+                    let b = slot.top.take();
+                    slot.top = slot.older.pop();
+                    return b;
+                }
+                let at = slot.older.iter().rposition(|b| b.epoch <= epoch)?;
+                Some(slot.older.remove(at))
+            }
+            None => {
+                let list = self.large.get_mut(&len)?;
+                let at = list.iter().rposition(|b| b.epoch <= epoch)?;
+                Some(list.remove(at))
+            }
+        }
     }
 
     /// Hand every block to `f` (length, block), emptying the cache (the
-    /// lists keep their capacity).
+    /// lists keep their capacity), oldest first within a length.
     fn drain(&mut self, mut f: impl FnMut(usize, CachedBlock)) {
-        for (i, blocks) in self.small.iter_mut().enumerate() {
-            let len = (i + 1) * CACHE_GRAIN;
-            for b in blocks.drain(..) {
-                f(len, b);
+        if let Some(small) = self.small.as_mut() {
+            for (i, slot) in small.0.iter_mut().enumerate() {
+                let len = (i + 1) * CACHE_GRAIN;
+                for b in slot.older.drain(..) {
+                    f(len, b);
+                }
+                if let Some(b) = slot.top.take() {
+                    f(len, b);
+                }
             }
         }
         for (len, blocks) in self.large.drain() {
