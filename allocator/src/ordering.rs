@@ -11,8 +11,9 @@
 //! Here live, and only here:
 //! - vector clocks, epochs and the records of events the pool recorded;
 //! - the event recycler;
-//! - the stream table (one [`StreamEntry`] per stream ever seen, never
-//!   removed) and each stream's state, its private cache of frees included;
+//! - the stream table (one [`StreamEntry`] per stream met, dropped once
+//!   the stream is retired and nothing needs it any more) and each
+//!   stream's state, its private cache of frees included;
 //! - the list of busy streams ([`StreamOrder::for_busy`]), so that the
 //!   slow path's passes cost what the busy streams cost, not what every
 //!   stream the pool ever met costs;
@@ -489,8 +490,8 @@ impl StreamEntry {
 }
 
 /// The stream entries this thread used last, keyed by pool id and stream
-/// id (both never reused, and entries are never removed from a pool, so a
-/// hit is always the right entry). Spares the hot path the stream table's
+/// id (both never reused, so a hit is always the right entry: a retired
+/// stream's entry stays retired after the table drops it). Spares the hot path the stream table's
 /// shared lock and hashing. A fixed table of slots, each (pool, stream)
 /// pair in the one slot its ids pick: a lookup is one comparison and a
 /// miss replaces that slot, whatever the number of streams a thread cycles
