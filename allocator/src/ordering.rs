@@ -252,6 +252,9 @@ pub(crate) struct StreamState {
     /// In the pool's list of busy streams ([`StreamOrder::note_busy`]):
     /// set and cleared under this stream's lock only.
     pub listed: bool,
+    /// In the pool's watch list ([`StreamOrder::watch`]): set and cleared
+    /// under this stream's lock only.
+    pub watched: bool,
     /// In the ledger's list of streams holding headroom (see
     /// `stats::Ledger`): set under this stream's lock when a free gives it
     /// headroom, cleared by whoever collects that headroom.
@@ -275,6 +278,7 @@ impl StreamState {
             cache: SizeCache::default(),
             cached_bytes: 0,
             listed: false,
+            watched: false,
             donor: false,
             counters: Default::default(),
             orphaned: None,
@@ -558,6 +562,12 @@ pub(crate) struct StreamOrder<D: Device> {
     /// Ids of the streams that may be [`StreamState::busy`] (each at most
     /// once: a stream's `listed` flag says whether it is here).
     busy: Mutex<Vec<u64>>,
+    /// Ids of the streams whose completion can move and matters to other
+    /// streams: frees that went to the arena not yet known complete, or
+    /// recorded events not yet seen complete (each at most once: the
+    /// stream's `watched` flag says whether it is here). Every slow
+    /// allocation polls them ([`StreamOrder::poll_completions`]).
+    watch: Mutex<Vec<u64>>,
 }
 
 impl<D: Device> StreamOrder<D> {
@@ -568,6 +578,7 @@ impl<D: Device> StreamOrder<D> {
             device,
             streams: RwLock::new(HashMap::new()),
             busy: Mutex::new(Vec::new()),
+            watch: Mutex::new(Vec::new()),
         }
     }
 
@@ -585,6 +596,7 @@ impl<D: Device> StreamOrder<D> {
         let record = st.close_epoch(event, self.events.clone());
         // A recorded event is watched until it is seen complete.
         self.note_busy(st);
+        self.note_watch(st);
         Ok(record)
     }
 
@@ -710,6 +722,117 @@ impl<D: Device> StreamOrder<D> {
         if !kept.is_empty() {
             lock(&self.busy).extend(kept);
         }
+    }
+
+    /// Put the stream in the watch list, if it is not there yet (call
+    /// with its lock held). The list lock is a leaf.
+    #[inline]
+    pub fn note_watch(&self, st: &mut StreamState) {
+        if !st.watched {
+            st.watched = true;
+            lock(&self.watch).push(st.stream.id());
+        }
+    }
+
+    /// Watch `stream` (a free of it just went to the arena, guarded by its
+    /// epoch): the next slow allocation of any stream learns whether that
+    /// free completed. Takes the stream's lock, after the arena's if the
+    /// caller holds it.
+    pub fn watch_stream(&self, stream: Stream) {
+        let note = |e: &Arc<StreamEntry>| self.note_watch(&mut lock(&e.state));
+        if self.with_recent_entry(stream, note).is_none() {
+            if let Ok(e) = self.entry(stream) {
+                note(&e);
+            }
+        }
+    }
+
+    /// Learn, for the watched streams only, what completed since the last
+    /// look, and upgrade those streams' pending free ranges: the front
+    /// recorded events are queried, and a stream with frees that no event
+    /// covers is asked whether all its work is done (one query, no event
+    /// recorded; every free made so far is then complete and its epoch is
+    /// closed). A stream leaves the list once nothing of it is pending.
+    /// Costs one look per watched stream: in a producer/consumer pipeline,
+    /// the consumers that freed since the last allocation, not every
+    /// stream the pool has met. `me`'s own uncovered frees are not asked
+    /// about (stream order already lets `me` reuse them). Does nothing
+    /// unless observed completion may be used (`opportunistic`).
+    pub fn poll_completions(
+        &self,
+        arena: &mut Arena,
+        done: &mut Completion,
+        opportunistic: bool,
+        me: u64,
+    ) {
+        if !opportunistic {
+            return;
+        }
+        let ids = std::mem::take(&mut *lock(&self.watch));
+        if ids.is_empty() {
+            return;
+        }
+        let mut kept = Vec::with_capacity(ids.len());
+        let mut moved: Vec<u64> = Vec::new();
+        for id in ids {
+            let Some(entry) = self.entry_by_id(id) else {
+                continue;
+            };
+            let mut s = lock(&entry.state);
+            let before = done.observed(id);
+            while let Some(front) = s.recorded.front() {
+                match self.device.query_event(front.event) {
+                    Ok(true) => {
+                        let epoch = front.epoch;
+                        s.recorded.pop_front();
+                        done.mark_observed(id, epoch);
+                    }
+                    _ => break,
+                }
+            }
+            let mut forget = false;
+            if s.frees_in_epoch && s.recorded.is_empty() && id != me && !s.retired {
+                match self.device.is_capturing(s.stream) {
+                    Ok(false) => match self.device.query_stream(s.stream) {
+                        Ok(true) => {
+                            let epoch = s.close_epoch_synced();
+                            done.mark_observed(id, epoch);
+                        }
+                        Ok(false) => {}
+                        Err(_) => forget = true,
+                    },
+                    Ok(true) => {}
+                    Err(_) => forget = true,
+                }
+            }
+            if done.observed(id) > before {
+                moved.push(id);
+            }
+            // The busy pass (and, for a stream whose state cannot be
+            // learnt, the host wait) still sees what is left.
+            if !forget && (s.frees_in_epoch || !s.recorded.is_empty()) && !s.retired {
+                kept.push(id);
+            } else {
+                s.watched = false;
+            }
+        }
+        if !kept.is_empty() {
+            lock(&self.watch).extend(kept);
+        }
+        if !moved.is_empty() {
+            arena.settle_streams(&moved, |g| match g {
+                Guard::After { stream, epoch } if done.observed(stream) >= epoch => {
+                    Some(Guard::Complete)
+                }
+                _ => None,
+            });
+        }
+    }
+
+    /// How many streams are watched now (tests only).
+    #[cfg(test)]
+    fn watched_len(&self) -> usize {
+        lock(&self.watch).len()
     }
 
     /// What the pool may still do with `stream`'s driver handle.
@@ -980,6 +1103,60 @@ mod tests {
             "the event of the failed record was reused"
         );
         dev.synchronize_stream(s).unwrap();
+    }
+
+    /// The poll asks only the watched streams, each once, forgets those
+    /// whose frees it saw complete, and never asks about the allocating
+    /// stream's own frees; what it learns upgrades that stream's ranges.
+    #[test]
+    #[cfg(not(loom))]
+    fn poll_asks_only_watched_streams_and_forgets_the_settled() {
+        const PAGE: usize = 2 << 20;
+        let dev = Arc::new(FaultInjector::new(HostDevice::with_config(HostConfig {
+            capacity: 8 << 20,
+            granularity: PAGE,
+        })));
+        let order = StreamOrder::new(1, dev.clone());
+        let streams: Vec<Stream> = (0..64).map(|_| dev.create_stream().unwrap()).collect();
+        for &s in &streams {
+            order.entry(s).unwrap();
+        }
+        let mut arena = Arena::new(64 * PAGE, PAGE);
+        let mut done = Completion::default();
+        let (me, consumer) = (streams[0], streams[37]);
+        // A free of the consumer (guarded by its epoch 1) and one of `me`,
+        // both watched.
+        for &s in &[consumer, me] {
+            lock(&order.entry(s).unwrap().state).frees_in_epoch = true;
+            order.watch_stream(s);
+        }
+        let queries = dev.calls(Op::QueryStream);
+        order.poll_completions(&mut arena, &mut done, true, me.id());
+        assert_eq!(
+            dev.calls(Op::QueryStream),
+            queries + 1,
+            "one query: the consumer (not `me`, not the 62 idle streams)"
+        );
+        assert_eq!(done.observed(consumer.id()), 1, "its epoch 1 is complete");
+        assert_eq!(
+            order.watched_len(),
+            1,
+            "the consumer is forgotten, `me` kept"
+        );
+        order.poll_completions(&mut arena, &mut done, true, me.id());
+        assert_eq!(
+            dev.calls(Op::QueryStream),
+            queries + 1,
+            "nothing new to ask"
+        );
+        // Without opportunistic reuse what it would learn is of no use.
+        lock(&order.entry(consumer).unwrap().state).frees_in_epoch = true;
+        order.watch_stream(consumer);
+        order.poll_completions(&mut arena, &mut done, false, me.id());
+        assert_eq!(dev.calls(Op::QueryStream), queries + 1);
+        for &s in &streams {
+            dev.synchronize_stream(s).unwrap();
+        }
     }
 
     #[test]

@@ -598,6 +598,8 @@ impl<D: Device> MemPool<D> {
                     epoch,
                 },
             );
+            // Other streams' next slow allocation learns when it completes.
+            inner.order.watch_stream(stream);
         }
         tracing::trace!(
             pool = inner.id,
@@ -1127,8 +1129,12 @@ impl<D: Device> PoolInner<D> {
     /// has room (one block of any size may always stay: a stream that frees
     /// and reallocates 1 GiB would otherwise pay the arena's page
     /// bookkeeping each time; caches join the arena before any growth, so
-    /// this never costs footprint). Returns the epoch to guard the range
-    /// with when it goes to the arena instead.
+    /// this never costs footprint). A stream that has never allocated (a
+    /// consumer that frees what a producer allocated) caches nothing: its
+    /// cache would only be flushed, all of it, by someone else's slow
+    /// allocation, so its frees go to the arena at once, where the
+    /// producer's next allocation can see them complete. Returns the epoch
+    /// to guard the range with when it goes to the arena instead.
     #[inline]
     fn stash_free(
         &self,
@@ -1148,7 +1154,10 @@ impl<D: Device> PoolInner<D> {
         let new_donor = !std::mem::replace(&mut st.donor, true);
         let epoch = st.epoch;
         let limit = self.config.stream_cache_bytes;
-        let spill = if limit > 0 && (st.cached_bytes + len <= limit || st.cached_bytes == 0) {
+        let spill = if limit > 0
+            && st.counters.allocs > 0
+            && (st.cached_bytes + len <= limit || st.cached_bytes == 0)
+        {
             st.cached_bytes += len;
             st.cache.push(len, CachedBlock { offset, epoch });
             None
