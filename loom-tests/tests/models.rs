@@ -104,3 +104,16 @@ fn h_headroom_donors() {
 fn i_announced_capture_gate() {
     loom::model(scenarios::announced_capture_gate);
 }
+
+#[test]
+fn j_watch_free_vs_poll() {
+    let reused = std::sync::Arc::new(AtomicUsize::new(0));
+    let r = reused.clone();
+    loom::model(move || {
+        if scenarios::watch_free_vs_poll() {
+            r.fetch_add(1, Ordering::Relaxed);
+        }
+    });
+    // Some interleaving lets the poll see the free complete.
+    assert!(reused.load(Ordering::Relaxed) > 0);
+}
