@@ -16,6 +16,10 @@
 //! - the list of busy streams ([`StreamOrder::for_busy`]), so that the
 //!   slow path's passes cost what the busy streams cost, not what every
 //!   stream the pool ever met costs;
+//! - the watch list ([`StreamOrder::poll_completions`]): the streams whose
+//!   frees in the arena or recorded events are not yet seen complete,
+//!   polled by every slow allocation (a consumer's free is then reusable by
+//!   its producer as soon as it is done);
 //! - what the pool may still do with a stream's driver handle ([`Reach`]);
 //! - what is known complete ([`Completion`]), learnt by querying events
 //!   ([`StreamOrder::observe_completions`]), by host synchronisation, or —
@@ -768,13 +772,15 @@ impl<D: Device> StreamOrder<D> {
         if !opportunistic {
             return;
         }
-        let ids = std::mem::take(&mut *lock(&self.watch));
+        let mut ids = std::mem::take(&mut *lock(&self.watch));
         if ids.is_empty() {
             return;
         }
-        let mut kept = Vec::with_capacity(ids.len());
-        let mut moved: Vec<u64> = Vec::new();
-        for id in ids {
+        // The streams kept are written back over the front of `ids`, whose
+        // allocation goes back to the list (no allocation per poll).
+        let mut kept = 0;
+        for i in 0..ids.len() {
+            let id = ids[i];
             let Some(entry) = self.entry_by_id(id) else {
                 continue;
             };
@@ -805,27 +811,30 @@ impl<D: Device> StreamOrder<D> {
                     Err(_) => forget = true,
                 }
             }
-            if done.observed(id) > before {
-                moved.push(id);
+            let now = done.observed(id);
+            if now > before {
+                arena.settle_streams(&[id], |g| match g {
+                    Guard::After { stream, epoch } if stream == id && now >= epoch => {
+                        Some(Guard::Complete)
+                    }
+                    _ => None,
+                });
             }
             // The busy pass (and, for a stream whose state cannot be
             // learnt, the host wait) still sees what is left.
             if !forget && (s.frees_in_epoch || !s.recorded.is_empty()) && !s.retired {
-                kept.push(id);
+                ids[kept] = id;
+                kept += 1;
             } else {
                 s.watched = false;
             }
         }
-        if !kept.is_empty() {
-            lock(&self.watch).extend(kept);
-        }
-        if !moved.is_empty() {
-            arena.settle_streams(&moved, |g| match g {
-                Guard::After { stream, epoch } if done.observed(stream) >= epoch => {
-                    Some(Guard::Complete)
-                }
-                _ => None,
-            });
+        ids.truncate(kept);
+        let mut list = lock(&self.watch);
+        if list.is_empty() {
+            *list = ids;
+        } else {
+            list.extend_from_slice(&ids);
         }
     }
 
