@@ -557,6 +557,12 @@ impl Completion {
     }
 }
 
+/// Events recorded on the allocating stream that its own slow allocations
+/// let pile up before they query them (see
+/// [`StreamOrder::poll_completions`]): a stream that records an event per
+/// allocation, as a producer does, pays one query per this many.
+const OWN_BACKLOG: usize = 8;
+
 /// The stream table and the device calls of stream ordering.
 pub(crate) struct StreamOrder<D: Device> {
     pool: u64,
@@ -739,11 +745,18 @@ impl<D: Device> StreamOrder<D> {
     }
 
     /// Watch `stream` (a free of it just went to the arena, guarded by its
-    /// epoch): the next slow allocation of any stream learns whether that
-    /// free completed. Takes the stream's lock, after the arena's if the
-    /// caller holds it.
+    /// epoch) if it has never allocated: the next slow allocation of any
+    /// stream learns whether that free completed. A stream that allocates
+    /// reuses its own frees by stream order and its spills are found by
+    /// the busy pass, as before. Takes the stream's lock, after the
+    /// arena's if the caller holds it.
     pub fn watch_stream(&self, stream: Stream) {
-        let note = |e: &Arc<StreamEntry>| self.note_watch(&mut lock(&e.state));
+        let note = |e: &Arc<StreamEntry>| {
+            let mut st = lock(&e.state);
+            if st.counters.allocs == 0 {
+                self.note_watch(&mut st);
+            }
+        };
         if self.with_recent_entry(stream, note).is_none() {
             if let Ok(e) = self.entry(stream) {
                 note(&e);
@@ -785,6 +798,14 @@ impl<D: Device> StreamOrder<D> {
                 continue;
             };
             let mut s = lock(&entry.state);
+            if id == me && s.recorded.len() < OWN_BACKLOG {
+                // The allocating stream's own events tell it nothing it may
+                // not already do: they are queried only to keep their list
+                // short (the busy pass queries them when it runs).
+                ids[kept] = id;
+                kept += 1;
+                continue;
+            }
             let before = done.observed(id);
             while let Some(front) = s.recorded.front() {
                 match self.device.query_event(front.event) {
@@ -1157,6 +1178,21 @@ mod tests {
             dev.calls(Op::QueryStream),
             queries + 1,
             "nothing new to ask"
+        );
+        // A stream that allocates is not watched for its spills (its own
+        // allocations reuse them by stream order).
+        let alloc_stream = streams[5];
+        {
+            let e = order.entry(alloc_stream).unwrap();
+            let mut st = lock(&e.state);
+            st.counters.allocs = 1;
+            st.frees_in_epoch = true;
+        }
+        order.watch_stream(alloc_stream);
+        assert_eq!(
+            order.watched_len(),
+            1,
+            "an allocating stream is not watched"
         );
         // Without opportunistic reuse what it would learn is of no use.
         lock(&order.entry(consumer).unwrap().state).frees_in_epoch = true;
