@@ -573,8 +573,8 @@ pub(crate) struct StreamOrder<D: Device> {
     /// once: a stream's `listed` flag says whether it is here).
     busy: Mutex<Vec<u64>>,
     /// Ids of the streams whose completion can move and matters to other
-    /// streams: frees that went to the arena not yet known complete, or
-    /// recorded events not yet seen complete (each at most once: the
+    /// streams: frees of a stream that never allocated, gone to the arena
+    /// and not yet known complete, or recorded events not yet seen complete (each at most once: the
     /// stream's `watched` flag says whether it is here). Every slow
     /// allocation polls them ([`StreamOrder::poll_completions`]).
     watch: Mutex<Vec<u64>>,
