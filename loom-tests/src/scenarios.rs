@@ -403,7 +403,7 @@ pub fn announced_capture_gate() {
     teardown(dev, pool);
 }
 
-/// (j) The watch list that slow allocations poll instead of every stream.
+/// (l) The watch list that slow allocations poll instead of every stream.
 /// Producer P allocated x (one page) and consumer C, ordered after P
 /// through a pool event, uses it (busy: its work completes only when the
 /// thread says so). C has never allocated, so its free goes straight to

@@ -106,7 +106,7 @@ fn i_announced_capture_gate() {
 }
 
 #[test]
-fn j_watch_free_vs_poll() {
+fn l_watch_free_vs_poll() {
     let reused = std::sync::Arc::new(AtomicUsize::new(0));
     let r = reused.clone();
     loom::model(move || {
