@@ -7,6 +7,8 @@
 //! whole pages). Physical pages are all the same size, so any page that is
 //! wholly free and whose frees are complete can be unmapped from where it
 //! sits and mapped where a request needs it: that is the defragmentation.
+//! A *unit* (one physical handle over several consecutive pages) is
+//! active, mapped and moved only whole: all of its pages at once.
 //! Moving a page does not unmap it from where it was: the old mapping stays
 //! as a *ghost* (inactive: its bytes are a hole), so that when the page
 //! becomes idle again and that place needs memory again, it is reactivated
@@ -314,9 +316,13 @@ struct PageSlot {
 #[derive(Debug)]
 struct PhysPage {
     handle: Physical,
-    /// The page where this physical page is active, if any.
+    /// Pages the handle spans (a power of two): a *unit* of several pages
+    /// is created, mapped, moved, unmapped and released whole.
+    pages: usize,
+    /// The first page where this physical unit is active, if any.
     owner: Option<usize>,
-    /// Every page where it is mapped at the driver level (active or ghost).
+    /// The first page of every place where it is mapped at the driver
+    /// level (active or ghost); each mapping covers `pages` pages.
     mappings: Vec<usize>,
 }
 
@@ -401,16 +407,18 @@ impl Arena {
         self.page
     }
 
-    /// A new physical page, active nowhere and mapped nowhere yet, was
-    /// created by the driver: it counts as reserved from now on. Returns
-    /// its index.
-    pub fn add_phys(&mut self, handle: Physical) -> usize {
+    /// A new physical unit of `pages` pages (one handle), active nowhere
+    /// and mapped nowhere yet, was created by the driver: it counts as
+    /// reserved from now on. Returns its index.
+    pub fn add_unit(&mut self, handle: Physical, pages: usize) -> usize {
+        assert!(pages.is_power_of_two(), "a unit spans a power of two pages");
         let i = self.phys.insert(PhysPage {
             handle,
+            pages,
             owner: None,
             mappings: Vec::new(),
         });
-        self.reserved += self.page as u64;
+        self.reserved += (pages * self.page) as u64;
         self.reserved_high = self.reserved_high.max(self.reserved);
         self.growths += 1;
         i
@@ -420,9 +428,39 @@ impl Arena {
     /// driver.
     pub fn remove_phys(&mut self, i: usize) {
         debug_assert!(self.phys[i].mappings.is_empty(), "releasing a mapped page");
-        self.phys.remove(i);
-        self.reserved -= self.page as u64;
+        let unit = self.phys.remove(i);
+        self.reserved -= (unit.pages * self.page) as u64;
         self.releases += 1;
+    }
+
+    /// Pages spanned by physical unit `i` (1 for a single page).
+    pub fn unit_pages(&self, i: usize) -> usize {
+        self.phys[i].pages
+    }
+
+    /// Bytes of physical unit `i`.
+    pub fn unit_bytes(&self, i: usize) -> usize {
+        self.phys[i].pages * self.page
+    }
+
+    /// The first page of the mapping (active or ghost) that covers page
+    /// `p`, if any.
+    pub fn mapping_base(&self, p: usize) -> Option<usize> {
+        let phys = self.pages[p].mapped?;
+        let k = self.phys[phys].pages;
+        self.phys[phys]
+            .mappings
+            .iter()
+            .copied()
+            .find(|&b| b <= p && p < b + k)
+    }
+
+    /// Whether physical unit `i`, active at its owner, has no block in
+    /// use on any of its pages (`false` where it is active nowhere).
+    pub fn unit_idle(&self, i: usize) -> bool {
+        let ph = &self.phys[i];
+        ph.owner
+            .is_some_and(|o| (o..o + ph.pages).all(|q| self.pages[q].users == 0))
     }
 
     /// The driver handle of physical page `i`.
@@ -441,7 +479,8 @@ impl Arena {
         &self.phys[i].mappings
     }
 
-    /// Every physical page: (index, handle, pages where it is mapped).
+    /// Every physical unit: (index, handle, first page of each place where
+    /// it is mapped; each mapping covers [`Arena::unit_bytes`]).
     pub fn phys_pages(&self) -> impl Iterator<Item = (usize, Physical, &[usize])> + '_ {
         self.phys
             .iter()
@@ -455,14 +494,32 @@ impl Arena {
         self.spare.clear();
     }
 
-    /// Physical pages active nowhere.
-    pub fn spare_len(&self) -> usize {
-        self.spare.len()
-    }
-
-    /// Take a physical page that is active nowhere.
+    /// Take a physical page or unit that is active nowhere.
     pub fn pop_spare(&mut self) -> Option<usize> {
         self.spare.pop()
+    }
+
+    /// Take a single physical page (not a unit of several) that is active
+    /// nowhere.
+    pub fn pop_spare_single(&mut self) -> Option<usize> {
+        let k = self.spare.iter().rposition(|&i| self.phys[i].pages == 1)?;
+        Some(self.spare.remove(k))
+    }
+
+    /// Single physical pages active nowhere.
+    pub fn spare_singles(&self) -> usize {
+        self.spare
+            .iter()
+            .filter(|&&i| self.phys[i].pages == 1)
+            .count()
+    }
+
+    /// Physical units of several pages active nowhere.
+    pub fn spare_units(&self) -> impl Iterator<Item = usize> + '_ {
+        self.spare
+            .iter()
+            .copied()
+            .filter(|&i| self.phys[i].pages > 1)
     }
 
     /// Physical page `i` is active nowhere (and no longer counted elsewhere).
@@ -1070,21 +1127,31 @@ impl Arena {
         self.pages[p].users
     }
 
-    /// The driver mapped physical page `phys` at page `p` (a hole without
-    /// any mapping).
+    /// The driver mapped physical unit `phys` at pages `p..p + k` (`k`
+    /// its pages; holes without any mapping).
     pub fn record_mapping(&mut self, p: usize, phys: usize) {
-        assert!(self.pages[p].mapped.is_none() && !self.pages[p].active);
-        self.pages[p].mapped = Some(phys);
+        let k = self.phys[phys].pages;
+        for q in p..p + k {
+            assert!(self.pages[q].mapped.is_none() && !self.pages[q].active);
+            self.pages[q].mapped = Some(phys);
+            self.mapped.insert(q);
+        }
         self.phys[phys].mappings.push(p);
-        self.mapped.insert(p);
     }
 
-    /// The driver unmapped the ghost mapping at page `p`.
+    /// The driver unmapped the ghost mapping that covers page `p` (the
+    /// whole mapping of its unit, from its first page). Returns the
+    /// physical unit.
     pub fn forget_mapping(&mut self, p: usize) -> usize {
-        assert!(!self.pages[p].active, "forgetting an active mapping");
-        let phys = self.pages[p].mapped.take().expect("page has a mapping");
-        self.phys[phys].mappings.retain(|&q| q != p);
-        self.mapped.remove(p);
+        let base = self.mapping_base(p).expect("page has a mapping");
+        let phys = self.pages[p].mapped.expect("page has a mapping");
+        let k = self.phys[phys].pages;
+        for q in base..base + k {
+            assert!(!self.pages[q].active, "forgetting an active mapping");
+            self.pages[q].mapped = None;
+            self.mapped.remove(q);
+        }
+        self.phys[phys].mappings.retain(|&q| q != base);
         phys
     }
 
@@ -1279,18 +1346,29 @@ impl Arena {
             .all(|(_, r)| f(r.guard))
     }
 
-    /// Physical page `phys`, already mapped at page `p` (a hole), becomes
-    /// active there: the page's bytes become a free range with nothing
+    /// Physical unit `phys`, already mapped at pages `p..p + k` (holes),
+    /// becomes active there: its bytes become free ranges with nothing
     /// pending.
     pub fn activate(&mut self, p: usize, phys: usize) {
-        assert_eq!(
-            self.pages[p].mapped,
-            Some(phys),
+        assert!(
+            self.phys[phys].mappings.contains(&p),
             "activating an unmapped page"
         );
         assert!(
             self.phys[phys].owner.is_none(),
             "physical page active twice"
+        );
+        for q in p..p + self.phys[phys].pages {
+            self.activate_page(q, phys);
+        }
+        self.phys[phys].owner = Some(p);
+    }
+
+    fn activate_page(&mut self, p: usize, phys: usize) {
+        assert_eq!(
+            self.pages[p].mapped,
+            Some(phys),
+            "activating an unmapped page"
         );
         let (ps, pe) = (p * self.page, (p + 1) * self.page);
         let (&ho, &hl) = self
@@ -1307,7 +1385,6 @@ impl Arena {
             self.holes.insert(pe, ho + hl - pe);
         }
         self.pages[p].active = true;
-        self.phys[phys].owner = Some(p);
         self.idle.insert(p);
         self.idle_since[p] = self.idle_clock;
         self.idle_clock += 1;
@@ -1315,11 +1392,29 @@ impl Arena {
         self.insert_free(ps, self.page, Guard::Complete);
     }
 
-    /// Page `p` (idle) stops being active: its bytes leave the free ranges
-    /// and become a hole; its mapping stays as a ghost. Returns the
-    /// physical page, now active nowhere.
+    /// The unit active at page `p` (its first page), idle on every page,
+    /// stops being active: its bytes leave the free ranges and become
+    /// holes; its mapping stays as a ghost. Returns the physical unit, now
+    /// active nowhere. A unit is only ever deactivated whole.
     pub fn deactivate(&mut self, p: usize) -> usize {
-        assert_eq!(self.pages[p].users, 0, "unmapping a page in use");
+        let phys = self.pages[p].mapped.expect("active page is mapped");
+        assert_eq!(
+            self.phys[phys].owner,
+            Some(p),
+            "deactivating a unit from a page that is not its first"
+        );
+        let k = self.phys[phys].pages;
+        for q in p..p + k {
+            assert_eq!(self.pages[q].users, 0, "unmapping a page in use");
+        }
+        for q in p..p + k {
+            self.deactivate_page(q);
+        }
+        self.phys[phys].owner = None;
+        phys
+    }
+
+    fn deactivate_page(&mut self, p: usize) {
         let (ps, pe) = (p * self.page, (p + 1) * self.page);
         self.run_remove(ps, self.page);
         // The free ranges overlapping the page, from the highest down: the
@@ -1363,9 +1458,6 @@ impl Arena {
         self.idle.remove(p);
         assert!(self.pages[p].active, "deactivating an inactive page");
         self.pages[p].active = false;
-        let phys = self.pages[p].mapped.expect("active page is mapped");
-        self.phys[phys].owner = None;
-        phys
     }
 
     /// Check every invariant (tests only; linear time).
@@ -1456,16 +1548,28 @@ impl Arena {
         }
         for (i, phys) in self.phys.iter() {
             if let Some(p) = phys.owner {
-                assert!(self.pages[p].active && self.pages[p].mapped == Some(i));
+                assert!(phys.mappings.contains(&p), "a unit is active where mapped");
+                for q in p..p + phys.pages {
+                    assert!(self.pages[q].active && self.pages[q].mapped == Some(i));
+                }
             }
             for &p in &phys.mappings {
-                assert_eq!(self.pages[p].mapped, Some(i), "mapping list wrong");
+                for q in p..p + phys.pages {
+                    assert_eq!(self.pages[q].mapped, Some(i), "mapping list wrong");
+                }
             }
         }
         for (p, slot) in self.pages.iter().enumerate() {
+            if let Some(phys) = slot.mapped {
+                let base = self
+                    .mapping_base(p)
+                    .expect("a mapped page lies in a mapping");
+                if slot.active {
+                    assert_eq!(self.phys[phys].owner, Some(base), "a unit is active whole");
+                }
+            }
             if slot.active {
-                let phys = slot.mapped.expect("active page is mapped");
-                assert_eq!(self.phys[phys].owner, Some(p));
+                assert!(slot.mapped.is_some(), "active page is mapped");
             }
             assert_eq!(
                 self.mapped.contains(p),
@@ -1489,6 +1593,7 @@ mod tests {
         for p in 0..n {
             let idx = a.phys.insert(PhysPage {
                 handle: Physical(p as u64),
+                pages: 1,
                 owner: None,
                 mappings: Vec::new(),
             });
@@ -1614,6 +1719,7 @@ mod tests {
             for p in 0..6 {
                 let idx = a.phys.insert(PhysPage {
                     handle: Physical(p as u64),
+                    pages: 1,
                     owner: None,
                     mappings: Vec::new(),
                 });
@@ -1826,6 +1932,48 @@ mod tests {
                 a.check();
             }
         }
+    }
+
+    #[test]
+    fn a_unit_is_activated_moved_and_forgotten_whole() {
+        let mut a = arena_with_pages(0);
+        let u = a.add_unit(Physical(99), 4);
+        assert_eq!(a.reserved(), 4 * PAGE as u64);
+        a.record_mapping(8, u);
+        a.activate(8, u);
+        a.check();
+        assert!((8..12).all(|p| a.is_active(p)));
+        assert_eq!(a.largest_free(), 4 * PAGE);
+        // A block on one page keeps the unit busy.
+        a.take(9 * PAGE, 100);
+        assert!(!a.unit_idle(u));
+        a.give_back(9 * PAGE, 100, Guard::Complete);
+        assert!(a.unit_idle(u));
+        // Moved whole: every page becomes a hole, the old mapping a ghost.
+        assert_eq!(a.deactivate(8), u);
+        a.check();
+        assert!((8..12).all(|p| !a.is_active(p) && a.mapping_at(p) == Some(u)));
+        a.record_mapping(20, u);
+        a.activate(20, u);
+        a.check();
+        assert_eq!(a.mapping_base(22), Some(20));
+        assert_eq!(a.mapping_base(10), Some(8));
+        // Forgetting the ghost from any of its pages forgets all of it.
+        assert_eq!(a.forget_mapping(10), u);
+        a.check();
+        assert!((8..12).all(|p| a.mapping_at(p).is_none()));
+        assert_eq!(a.mappings(u), &[20]);
+    }
+
+    #[test]
+    #[should_panic(expected = "unmapping a page in use")]
+    fn a_unit_with_a_block_on_any_page_is_not_deactivated() {
+        let mut a = arena_with_pages(0);
+        let u = a.add_unit(Physical(99), 4);
+        a.record_mapping(8, u);
+        a.activate(8, u);
+        a.take(11 * PAGE, 100);
+        a.deactivate(8);
     }
 
     #[test]

@@ -479,7 +479,14 @@ impl PoolStream {
             .alloc_async(Self::bytes_of::<T>(len)?, handle.id)?;
         let ptr = allocation.ptr() as sys::CUdeviceptr;
         let tracked = handle.stream.context().is_event_tracking();
-        let slice = match handle.take_parked::<T>(ptr, len) {
+        // Graph memory (the stream is being captured) never reuses a parked
+        // slice: its events would be recorded into the graph.
+        let parked = if allocation.is_graph_memory() {
+            None
+        } else {
+            handle.take_parked::<T>(ptr, len)
+        };
+        let slice = match parked {
             Some(slice) => slice,
             // `upgrade_device_ptr` unwraps the creation of its tracking
             // events; a failure there comes back as an error, the block freed.
@@ -724,9 +731,14 @@ impl<T: 'static> Drop for PoolBuffer<T> {
         }
         // (3) The free, in the buffer's stream's order.
         let ptr = allocation.ptr();
+        let graph_memory = allocation.is_graph_memory();
         match home.pool.free_async(allocation, home.id) {
-            // (4) The slice waits, with its events, for the next buffer at
-            // this address on this stream.
+            // (4) Graph memory's slice goes now, while its events can still
+            // be waited on in the capture that recorded them (after the
+            // capture ends, a wait on them fails with
+            // `CUDA_ERROR_CAPTURED_EVENT`); any other slice waits, with its
+            // events, for the next buffer at this address on this stream.
+            Ok(()) if graph_memory => drop(slice),
             Ok(()) => home.park(ptr, self.tracked, slice),
             Err(e) => {
                 tracing::error!(

@@ -8,11 +8,17 @@
 //! Map, unmap and release act at once, not in stream order: every page
 //! touched here is idle and known complete (the callers' guarantee, checked
 //! through `placement`'s `page_complete`), or new.
+//!
+//! Physical memory comes as single pages or, for large blocks where the
+//! configuration asks for it, as *units*: one handle over several
+//! consecutive pages. A handle can only be mapped whole, so every
+//! operation here maps, unmaps, moves and releases a unit whole, and only
+//! when no block uses any of its pages.
 
 use crate::config::{PoolConfig, ReusePolicy};
 use crate::ordering::VectorClock;
 use crate::placement::{
-    best_window, ghost_available, hole_window, phys_movable, ArenaState, State,
+    best_window, free_units, ghost_available, hole_window, phys_movable, ArenaState, State,
 };
 use crate::share_state::ShareState;
 use tidepool_sys::{Device, DevicePtr, PhysicalOptions, SysError};
@@ -109,10 +115,15 @@ impl<D: Device> Pages<'_, D> {
             .collect();
         debug_assert_eq!(targets.len(), need);
 
-        // First, targets whose ghost mapping's physical page is free to come
-        // back: no driver call at all.
+        // First, targets whose ghost mapping's physical memory is free to
+        // come back: no driver call at all. A unit comes back whole, onto
+        // every page of its ghost mapping.
         let mut rest = Vec::new();
         for &p in &targets {
+            if st.arena.is_active(p) {
+                // Came back with its unit.
+                continue;
+            }
             match st.arena.mapping_at(p) {
                 Some(phys) if ghost_available(st, p) && phys_movable(st, phys, &block_pages) => {
                     if let Some(owner) = st.arena.owner(phys) {
@@ -120,61 +131,96 @@ impl<D: Device> Pages<'_, D> {
                     } else {
                         st.arena.unspare(phys);
                     }
-                    st.arena.activate(p, phys);
+                    let base = st.arena.mapping_base(p).expect("a ghost has a first page");
+                    st.arena.activate(base, phys);
                     st.arena.count_rebind();
                 }
                 _ => rest.push(p),
             }
         }
-        // The others need a physical page mapped by the driver: a spare one,
-        // a completed idle one moved from elsewhere (stitching), or a new
-        // one (growth).
-        let spare_used = st.arena.spare_len().min(rest.len());
-        let victims = if spare_used < rest.len() {
-            let zone = st.zone_of(start / page);
-            st.victims(&block_pages, zone, rest.len() - spare_used)
+        rest.retain(|&p| !st.arena.is_active(p));
+        let unit_max = if len >= self.config.unit_min_block {
+            self.unit_pages(page)
         } else {
-            Vec::new()
+            1
         };
-        let missing = rest.len() - spare_used - victims.len();
-        if let Some(max) = self.config.max_size {
-            // Fail before touching anything: a request the cap cannot hold
-            // must not grow the pool on its way to failing.
-            if st.arena.reserved() + (missing * page) as u64 > max {
-                return Err(MapFailure::Capped);
-            }
-        }
-        let mut got: Vec<usize> = Vec::with_capacity(rest.len());
+        let plan = self.plan(st, &rest, &block_pages, unit_max)?;
+        let mut got: Vec<(usize, usize)> = Vec::with_capacity(plan.moves.len() + rest.len());
         // Pages created by this call: given back to the device if the
         // device runs out before the request is covered (a failed request
         // must not grow the pool).
         let mut created: Vec<usize> = Vec::new();
-        for _ in 0..spare_used {
-            got.extend(st.arena.pop_spare());
-        }
-        for p in victims {
-            got.push(st.arena.deactivate(p));
-        }
-        while got.len() < rest.len() {
-            if let Some(max) = self.config.max_size {
-                if st.arena.reserved() + page as u64 > max {
-                    for i in got {
-                        st.arena.push_spare(i);
-                    }
-                    return Err(MapFailure::Capped);
-                }
+        for &(p, i) in &plan.moves {
+            // A whole unit moves (stitching): it is free where it is.
+            if st.arena.owner(i).is_some() {
+                let owner = st.arena.owner(i).expect("checked");
+                st.arena.deactivate(owner);
+            } else {
+                st.arena.unspare(i);
             }
-            let opts = PhysicalOptions {
-                exportable: self.config.exportable,
-            };
-            match self.device.create_physical(page, opts) {
-                Ok(handle) => {
-                    let i = st.arena.add_phys(handle);
-                    got.push(i);
-                    created.push(i);
+            got.push((p, i));
+        }
+        // Single pages: spare ones, then moved ones; the lowest target
+        // page gets the last of them.
+        let mut pool: Vec<usize> = Vec::with_capacity(plan.singles.len());
+        for _ in 0..plan.spare_used {
+            pool.push(st.arena.pop_spare_single().expect("counted"));
+        }
+        for &v in &plan.victims {
+            pool.push(st.arena.deactivate(v));
+        }
+        for &p in &plan.singles {
+            got.push((p, pool.pop().expect("one page per single")));
+        }
+        // Free units that could not move here are released whole before
+        // anything is created, so that the pool never holds more than it
+        // would have by moving single pages.
+        for &i in &plan.release {
+            if let Some(owner) = st.arena.owner(i) {
+                st.arena.deactivate(owner);
+            } else {
+                st.arena.unspare(i);
+            }
+            if let Err(e) = self.release_phys(st, i) {
+                st.arena.push_spare(i);
+                for (_, i) in got {
+                    st.arena.push_spare(i);
                 }
-                Err(e) => {
-                    for i in got {
+                return Err(MapFailure::Device(e));
+            }
+        }
+        for &(first, count) in &plan.missing {
+            let (mut p, mut left) = (first, count);
+            while left > 0 {
+                // The largest power of two that fits what is left.
+                let k = unit_max.min(1 << left.ilog2());
+                let mut fail = None;
+                if let Some(max) = self.config.max_size {
+                    if st.arena.reserved() + (k * page) as u64 > max {
+                        fail = Some(MapFailure::Capped);
+                    }
+                }
+                if fail.is_none() {
+                    let opts = PhysicalOptions {
+                        exportable: self.config.exportable,
+                    };
+                    match self.device.create_physical(k * page, opts) {
+                        Ok(handle) => {
+                            let i = st.arena.add_unit(handle, k);
+                            got.push((p, i));
+                            created.push(i);
+                        }
+                        Err(e) => {
+                            fail = Some(if e.is_out_of_memory() {
+                                MapFailure::DeviceOom(e)
+                            } else {
+                                MapFailure::Device(e)
+                            });
+                        }
+                    }
+                }
+                if let Some(f) = fail {
+                    for (_, i) in got {
                         if !created.contains(&i) {
                             st.arena.push_spare(i);
                         } else if let Err(e2) = self.release_phys(st, i) {
@@ -182,27 +228,28 @@ impl<D: Device> Pages<'_, D> {
                             st.arena.push_spare(i);
                         }
                     }
-                    return Err(if e.is_out_of_memory() {
-                        MapFailure::DeviceOom(e)
-                    } else {
-                        MapFailure::Device(e)
-                    });
+                    return Err(f);
                 }
+                p += k;
+                left -= k;
             }
         }
-        if !rest.is_empty() {
+        if !got.is_empty() {
             tracing::debug!(
                 pool = self.pool,
                 pages = rest.len(),
+                handles = got.len(),
                 len,
                 "mapping pages for a request"
             );
         }
-        for p in rest {
-            let i = got.pop().expect("one physical page per target");
+        // Bound in address order.
+        got.sort_unstable();
+        let mut binds = got.into_iter();
+        while let Some((p, i)) = binds.next() {
             if let Err(e) = self.bind(st, p, i) {
-                got.push(i);
-                for i in got {
+                st.arena.push_spare(i);
+                for (_, i) in binds {
                     st.arena.push_spare(i);
                 }
                 return Err(MapFailure::Device(e));
@@ -213,26 +260,151 @@ impl<D: Device> Pages<'_, D> {
         Ok(start)
     }
 
-    /// Map physical page `i` at page `p` (a hole) and make it active there.
-    /// A ghost mapping of another page at `p` is unmapped first; a physical
-    /// page with many ghosts loses its oldest one, which bounds the number
-    /// of mappings.
-    fn bind(&self, st: &mut State<'_>, p: usize, i: usize) -> Result<(), SysError> {
+    /// Pages of the largest unit this pool creates (a power of two; 1
+    /// where the pool may be exported, since an importer maps one handle
+    /// per page of the allocation).
+    fn unit_pages(&self, page: usize) -> usize {
+        if self.config.exportable {
+            return 1;
+        }
+        let n = (self.config.max_unit_size / page).max(1);
+        1 << n.ilog2()
+    }
+
+    /// Where the physical memory for the hole pages `rest` of a block
+    /// comes from, decided before anything is touched: whole free units
+    /// moved into runs of consecutive pages long enough for them, spare
+    /// single pages, completed idle single pages (stitching), and the
+    /// pages still missing, which growth creates (as units where the block
+    /// is large). Free units that could not move are released to make room
+    /// for growth. Fails with `Capped` where growth would pass the cap.
+    fn plan(
+        &self,
+        st: &mut State<'_>,
+        rest: &[usize],
+        block_pages: &std::ops::RangeInclusive<usize>,
+        unit_max: usize,
+    ) -> Result<Plan, MapFailure> {
         let page = st.arena.page();
-        if st.arena.mapping_at(p).is_some() {
-            self.device.unmap(self.page_ptr(st, p), page)?;
-            st.arena.forget_mapping(p);
+        // Maximal runs of consecutive pages: (first, count).
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for &p in rest {
+            match runs.last_mut() {
+                Some((f, c)) if *f + *c == p => *c += 1,
+                _ => runs.push((p, 1)),
+            }
+        }
+        let mut plan = Plan::default();
+        let mut units: Option<Vec<usize>> = None;
+        if runs.iter().any(|r| r.1 >= 2) {
+            let free = free_units(st, block_pages);
+            let mut left = Vec::new();
+            for i in free {
+                let k = st.arena.unit_pages(i);
+                // The tightest run that holds the unit.
+                match runs
+                    .iter_mut()
+                    .filter(|r| r.1 >= k)
+                    .min_by_key(|r| (r.1, r.0))
+                {
+                    Some(r) => {
+                        plan.moves.push((r.0, i));
+                        r.0 += k;
+                        r.1 -= k;
+                    }
+                    None => left.push(i),
+                }
+            }
+            units = Some(left);
+            runs.retain(|r| r.1 > 0);
+        }
+        // Single pages fill the shortest runs; growth gets the longest,
+        // where it can create the largest units.
+        let remaining: usize = runs.iter().map(|r| r.1).sum();
+        plan.spare_used = st.arena.spare_singles().min(remaining);
+        if plan.spare_used < remaining {
+            let zone = st.zone_of(*block_pages.start());
+            plan.victims = st.victims(block_pages, zone, remaining - plan.spare_used);
+        }
+        let mut singles = plan.spare_used + plan.victims.len();
+        if unit_max == 1 {
+            // No units to create: single pages fill the highest pages.
+            runs.sort_unstable_by_key(|r| std::cmp::Reverse(r.0));
+            for r in &mut runs {
+                let n = singles.min(r.1);
+                plan.singles.extend(r.0 + r.1 - n..r.0 + r.1);
+                r.1 -= n;
+                singles -= n;
+            }
+        }
+        runs.sort_unstable_by_key(|r| (r.1, r.0));
+        for r in &mut runs {
+            let n = singles.min(r.1);
+            plan.singles.extend(r.0..r.0 + n);
+            r.0 += n;
+            r.1 -= n;
+            singles -= n;
+        }
+        runs.retain(|r| r.1 > 0);
+        runs.sort_unstable();
+        plan.singles.sort_unstable();
+        let missing: usize = runs.iter().map(|r| r.1).sum();
+        plan.missing = runs;
+        let mut released = 0usize;
+        if missing > 0 {
+            let mut left = match units {
+                Some(u) => u,
+                None => free_units(st, block_pages),
+            };
+            // Smallest first: release no more than growth needs, roughly.
+            left.reverse();
+            for i in left {
+                if released >= missing {
+                    break;
+                }
+                released += st.arena.unit_pages(i);
+                plan.release.push(i);
+            }
+        }
+        if let Some(max) = self.config.max_size {
+            // Fail before touching anything: a request the cap cannot hold
+            // must not grow the pool on its way to failing.
+            let after = st.arena.reserved() + (missing * page) as u64;
+            if after.saturating_sub((released * page) as u64) > max {
+                return Err(MapFailure::Capped);
+            }
+        }
+        Ok(plan)
+    }
+
+    /// Map physical unit `i` at pages `p..p + k` (holes) and make it
+    /// active there. Ghost mappings over those pages are unmapped first
+    /// (each whole); a unit with many ghosts loses its oldest one, which
+    /// bounds the number of mappings.
+    fn bind(&self, st: &mut State<'_>, p: usize, i: usize) -> Result<(), SysError> {
+        let k = st.arena.unit_pages(i);
+        let bytes = st.arena.unit_bytes(i);
+        for q in p..p + k {
+            if let Some(base) = st.arena.mapping_base(q) {
+                let g = st.arena.mapping_at(q).expect("mapped");
+                self.device
+                    .unmap(self.page_ptr(st, base), st.arena.unit_bytes(g))?;
+                st.arena.forget_mapping(q);
+            }
         }
         while st.arena.mappings(i).len() >= MAX_GHOSTS {
             let oldest = st.arena.mappings(i)[0];
-            self.device.unmap(self.page_ptr(st, oldest), page)?;
+            self.device.unmap(self.page_ptr(st, oldest), bytes)?;
             st.arena.forget_mapping(oldest);
         }
         let ptr = self.page_ptr(st, p);
         let handle = st.arena.handle(i);
-        self.device.map(ptr, page, handle, 0)?;
-        if let Err(e) = self.device.set_access(ptr, page, &self.share.access_list()) {
-            if let Err(e2) = self.device.unmap(ptr, page) {
+        self.device.map(ptr, bytes, handle, 0)?;
+        if let Err(e) = self
+            .device
+            .set_access(ptr, bytes, &self.share.access_list())
+        {
+            if let Err(e2) = self.device.unmap(ptr, bytes) {
                 tracing::warn!(error = %e2, "unmap after failed set_access failed");
             }
             return Err(e);
@@ -246,12 +418,12 @@ impl<D: Device> Pages<'_, D> {
         self.base + (p * st.arena.page()) as u64
     }
 
-    /// Unmap every mapping of physical page `i` (active nowhere) and
-    /// release it to the device.
+    /// Unmap every mapping of physical unit `i` (active nowhere), each
+    /// whole, and release it to the device.
     pub fn release_phys(&self, st: &mut State<'_>, i: usize) -> Result<(), SysError> {
-        let page = st.arena.page();
+        let bytes = st.arena.unit_bytes(i);
         while let Some(&p) = st.arena.mappings(i).last() {
-            self.device.unmap(self.page_ptr(st, p), page)?;
+            self.device.unmap(self.page_ptr(st, p), bytes)?;
             st.arena.forget_mapping(p);
         }
         self.device.release_physical(st.arena.handle(i))?;
@@ -260,38 +432,50 @@ impl<D: Device> Pages<'_, D> {
     }
 
     /// Release physical memory until at most `target` bytes are held:
-    /// spare pages first, then idle pages whose frees are known complete.
-    /// Returns the bytes released.
+    /// spare pages and units first, then idle ones whose frees are known
+    /// complete. A unit of several pages is released only whole, when no
+    /// block uses any of its pages: a unit partly in use stays, so the
+    /// pool may hold more than `target` afterwards, and releasing a unit
+    /// may take it below. Returns the bytes actually released.
     pub fn trim(&self, st: &mut State<'_>, target: u64) -> Result<u64, SysError> {
-        let page = st.arena.page();
         let mut released = 0u64;
         while st.arena.reserved() > target {
             let i = match st.arena.pop_spare() {
                 Some(i) => i,
                 None => {
-                    let victim = st.arena.idle_pages().find(|&p| st.page_complete(p));
+                    let victim = st.arena.idle_pages().find(|&p| {
+                        let phys = st.arena.mapping_at(p).expect("idle page is mapped");
+                        st.arena.owner(phys) == Some(p)
+                            && if st.arena.unit_pages(phys) == 1 {
+                                st.page_complete(p)
+                            } else {
+                                st.unit_free(phys)
+                            }
+                    });
                     let Some(p) = victim else { break };
                     st.arena.deactivate(p)
                 }
             };
+            let bytes = st.arena.unit_bytes(i) as u64;
             if let Err(e) = self.release_phys(st, i) {
                 // Keep the bookkeeping true: the page is still ours.
                 st.arena.push_spare(i);
                 return Err(e);
             }
-            released += page as u64;
+            released += bytes;
         }
         Ok(released)
     }
 
-    /// The pool is going away: unmap every mapping (active and ghost) and
-    /// release every physical page. The caller has waited for all pending
-    /// device work first.
+    /// The pool is going away: unmap every mapping (active and ghost, each
+    /// whole) and release every physical unit. The caller has waited for
+    /// all pending device work first.
     pub fn unmap_all(&self, st: &mut ArenaState) {
         let page = st.arena.page();
-        for (_, handle, mappings) in st.arena.phys_pages() {
+        for (i, handle, mappings) in st.arena.phys_pages() {
+            let bytes = st.arena.unit_bytes(i);
             for &p in mappings {
-                if let Err(e) = self.device.unmap(self.base + (p * page) as u64, page) {
+                if let Err(e) = self.device.unmap(self.base + (p * page) as u64, bytes) {
                     tracing::warn!(error = %e, "unmap while dropping the pool failed");
                 }
             }
@@ -301,4 +485,22 @@ impl<D: Device> Pages<'_, D> {
         }
         st.arena.clear_phys();
     }
+}
+
+/// Where the physical memory for a block's hole pages comes from (see
+/// [`Pages::plan`]).
+#[derive(Default)]
+struct Plan {
+    /// Free units moved whole: (first target page, unit).
+    moves: Vec<(usize, usize)>,
+    /// Spare single pages used.
+    spare_used: usize,
+    /// Completed idle single pages moved here.
+    victims: Vec<usize>,
+    /// The target pages of the spare and moved single pages, in order.
+    singles: Vec<usize>,
+    /// Free units released to make room for growth.
+    release: Vec<usize>,
+    /// Runs of target pages that growth fills: (first, count).
+    missing: Vec<(usize, usize)>,
 }

@@ -109,6 +109,16 @@ impl ArenaState {
         self.arena.page_guards_all(p, |g| self.is_complete(g))
     }
 
+    /// Whether physical unit `i` is active somewhere with no block in use
+    /// and every free byte on all of its pages known complete: only then
+    /// may it be unmapped, moved or released (always whole).
+    pub fn unit_free(&self, i: usize) -> bool {
+        let Some(o) = self.arena.owner(i) else {
+            return false;
+        };
+        self.arena.unit_idle(i) && (o..o + self.arena.unit_pages(i)).all(|q| self.page_complete(q))
+    }
+
     /// Steps 1–3: may `me`, whose waits are `clock`, reuse memory under
     /// `guard` now? `Some(class)`, lower is preferred; `None` = not yet.
     pub fn classify(
@@ -305,13 +315,17 @@ pub(crate) fn hole_window(
 /// Whether the ghost mapping at hole page `p` can be reactivated now: its
 /// physical page is active nowhere, or active at an idle page whose frees
 /// are complete.
+///
+/// For a unit of several pages the whole unit comes back (to every page
+/// of its ghost mapping), so the whole unit must be free where it is.
 pub(crate) fn ghost_available(st: &State<'_>, p: usize) -> bool {
     let Some(phys) = st.arena.mapping_at(p) else {
         return false;
     };
     match st.arena.owner(phys) {
         None => true,
-        Some(q) => st.arena.users(q) == 0 && st.page_complete(q),
+        Some(q) if st.arena.unit_pages(phys) == 1 => st.arena.users(q) == 0 && st.page_complete(q),
+        Some(_) => st.unit_free(phys),
     }
 }
 
@@ -322,7 +336,10 @@ pub(crate) fn phys_movable(
     phys: usize,
     block: &std::ops::RangeInclusive<usize>,
 ) -> bool {
-    st.arena.owner(phys).is_none_or(|q| !block.contains(&q))
+    let k = st.arena.unit_pages(phys);
+    st.arena
+        .owner(phys)
+        .is_none_or(|q| (q..q + k).all(|r| !block.contains(&r)))
 }
 
 /// Completed idle pages to move to the zone `zone`: first those whose
@@ -332,7 +349,9 @@ pub(crate) fn phys_movable(
 /// together), and each such clash costs a bind every step of a training
 /// loop; a page idle the longest is the least likely to be wanted back
 /// while the block being placed lives. Completion is checked only for the
-/// pages about to be taken. `scratch` is reused between calls.
+/// pages about to be taken. Only single pages are picked: a unit of
+/// several pages moves whole, into a run of pages long enough for it
+/// ([`free_units`]). `scratch` is reused between calls.
 pub(crate) fn pick_victims(
     st: &ArenaState,
     exclude: &std::ops::RangeInclusive<usize>,
@@ -343,6 +362,9 @@ pub(crate) fn pick_victims(
     scratch.clear();
     for p in st.arena.idle_pages().filter(|p| !exclude.contains(p)) {
         let phys = st.arena.mapping_at(p).expect("idle page is mapped");
+        if st.arena.unit_pages(phys) > 1 {
+            continue;
+        }
         let in_zone = st
             .arena
             .mappings(phys)
@@ -361,6 +383,26 @@ pub(crate) fn pick_victims(
             out.push(p);
         }
     }
+    out
+}
+
+/// Units of several pages that may move or be released now, whole:
+/// active somewhere outside `exclude` with every page idle and complete,
+/// or active nowhere (spare). Largest first, then by index.
+pub(crate) fn free_units(st: &ArenaState, exclude: &std::ops::RangeInclusive<usize>) -> Vec<usize> {
+    let mut out: Vec<usize> = st.arena.spare_units().collect();
+    for p in st.arena.idle_pages().filter(|p| !exclude.contains(p)) {
+        let phys = st.arena.mapping_at(p).expect("idle page is mapped");
+        let k = st.arena.unit_pages(phys);
+        if k > 1
+            && st.arena.owner(phys) == Some(p)
+            && (p..p + k).all(|q| !exclude.contains(&q))
+            && st.unit_free(phys)
+        {
+            out.push(phys);
+        }
+    }
+    out.sort_unstable_by_key(|&i| (std::cmp::Reverse(st.arena.unit_pages(i)), i));
     out
 }
 

@@ -626,11 +626,13 @@ fn mapped_pages(
     imports: &HashMap<DevicePtr, ImportRecord>,
 ) -> Vec<(DevicePtr, usize)> {
     let page = st.arena.page();
-    let own = st
-        .arena
-        .phys_pages()
-        .flat_map(|(_, _, mappings)| mappings.iter())
-        .map(move |&p| (base + (p * page) as u64, page));
+    // Each mapping of a unit covers the whole unit.
+    let own = st.arena.phys_pages().flat_map(move |(i, _, mappings)| {
+        let bytes = st.arena.unit_bytes(i);
+        mappings
+            .iter()
+            .map(move |&p| (base + (p * page) as u64, bytes))
+    });
     let imported = imports
         .values()
         .flat_map(|r| (0..r.handles.len()).map(move |i| (r.va + (i * r.page) as u64, r.page)));

@@ -8,7 +8,8 @@
 //!   later step too,
 //! - the statistics stay exact after every step (used bytes equal a shadow
 //!   count of live bytes, allocation and free counts equal the shadow's,
-//!   reserved bytes equal the pages held and stay under the cap),
+//!   reserved bytes equal the bytes of the live physical handles and stay
+//!   under the cap),
 //! - no two live allocations overlap and a tag written into each one is
 //!   intact when it is freed,
 //! - after the pool is dropped, every physical handle, mapping, address
@@ -22,6 +23,9 @@
 //! (frees on other streams after event waits, declared uses, stream and
 //! event synchronisations, trims), then a clean-up that frees everything,
 //! synchronises and trims to zero.
+//!
+//! The first workload runs a second time on a pool that creates physical
+//! units of several pages for large blocks.
 //!
 //! A second, small workload holds two streams busy while a third needs
 //! their pending frees under a cap, so the pool inserts internal
@@ -51,10 +55,17 @@ use tidepool_sys::{
 // counts handles, mappings and reservations itself). It sits under the
 // fault injector, so it sees only the calls that reached the device.
 
+/// The largest physical handle any workload created (the units workload
+/// must create handles of several pages, or it tests nothing new).
+static LARGEST_HANDLE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 #[derive(Debug)]
 struct Counting {
     inner: HostDevice,
     events: Mutex<HashSet<Event>>,
+    /// Bytes of each live physical handle (handles may span several
+    /// pages).
+    handles: Mutex<BTreeMap<Physical, usize>>,
 }
 
 impl Counting {
@@ -62,10 +73,14 @@ impl Counting {
         Counting {
             inner,
             events: Mutex::new(HashSet::new()),
+            handles: Mutex::new(BTreeMap::new()),
         }
     }
     fn live_events(&self) -> usize {
         self.events.lock().unwrap().len()
+    }
+    fn live_handle_bytes(&self) -> u64 {
+        self.handles.lock().unwrap().values().sum::<usize>() as u64
     }
 }
 
@@ -86,10 +101,15 @@ impl Device for Counting {
         self.inner.free_va(ptr, size)
     }
     fn create_physical(&self, size: usize, options: PhysicalOptions) -> SysResult<Physical> {
-        self.inner.create_physical(size, options)
+        let h = self.inner.create_physical(size, options)?;
+        self.handles.lock().unwrap().insert(h, size);
+        LARGEST_HANDLE.fetch_max(size, std::sync::atomic::Ordering::Relaxed);
+        Ok(h)
     }
     fn release_physical(&self, handle: Physical) -> SysResult<()> {
-        self.inner.release_physical(handle)
+        self.inner.release_physical(handle)?;
+        self.handles.lock().unwrap().remove(&handle);
+        Ok(())
     }
     fn map(&self, ptr: DevicePtr, size: usize, handle: Physical, offset: usize) -> SysResult<()> {
         self.inner.map(ptr, size, handle, offset)
@@ -132,6 +152,12 @@ impl Device for Counting {
     }
     fn is_capturing(&self, stream: Stream) -> SysResult<bool> {
         self.inner.is_capturing(stream)
+    }
+    fn stream_probe(
+        &self,
+        stream: Stream,
+    ) -> SysResult<Option<std::sync::Arc<dyn tidepool_sys::StreamProbe>>> {
+        self.inner.stream_probe(stream)
     }
     fn create_event(&self) -> SysResult<Event> {
         let e = self.inner.create_event()?;
@@ -378,6 +404,19 @@ fn trace_and_streams() -> Workload {
     }
 }
 
+/// The same with physical units of up to 8 MiB for blocks of 4 MiB and up
+/// (handles of several pages, mapped, moved and released whole).
+fn trace_and_streams_units() -> Workload {
+    Workload {
+        name: "trace+streams+units",
+        steps: workload(),
+        config: pool_config()
+            .with_max_unit_size(8 << 20)
+            .with_unit_min_block(4 << 20),
+        cap: CAP,
+    }
+}
+
 /// Memory pressure with held streams: two streams' frees are pending
 /// behind held tasks when a third stream needs their memory under the cap,
 /// so the pool must insert internal dependencies (stream waits on the
@@ -572,6 +611,8 @@ struct Runner<'a> {
     ooms: u64,
     next_tag: u32,
     ctx: String,
+    /// Whether the pool may create handles of several pages.
+    units: bool,
 }
 
 impl Runner<'_> {
@@ -728,14 +769,21 @@ impl Runner<'_> {
         );
         assert_eq!(
             st.reserved_current,
-            (st.growths - st.releases) * PAGE as u64,
-            "{ctx}: reserved bytes are not the pages held"
+            self.dev.inner().live_handle_bytes(),
+            "{ctx}: reserved bytes are not the bytes of the device's live handles"
         );
-        assert_eq!(
-            st.reserved_current,
-            (self.host().live_handles() * PAGE) as u64,
-            "{ctx}: reserved bytes are not the device's live handles"
-        );
+        if !self.units {
+            assert_eq!(
+                st.reserved_current,
+                (st.growths - st.releases) * PAGE as u64,
+                "{ctx}: reserved bytes are not the pages held"
+            );
+            assert_eq!(
+                st.reserved_current,
+                (self.host().live_handles() * PAGE) as u64,
+                "{ctx}: reserved bytes are not the device's live handles"
+            );
+        }
         assert!(
             st.used_current <= st.reserved_current,
             "{ctx}: used > reserved"
@@ -805,6 +853,7 @@ fn run_one(w: &Workload, fault: Option<(Op, u64)>) -> (Outcome, Vec<u64>) {
         ooms: 0,
         next_tag: 1,
         ctx: ctx.clone(),
+        units: w.config.max_unit_size > PAGE,
     };
     // The clean-up is part of the workload: faults may hit it too.
     let mut all = steps.to_vec();
@@ -1015,7 +1064,7 @@ fn sweep(w: &Workload, full: bool, report: &mut String) -> Vec<u64> {
 
 #[test]
 fn fault_sweep() {
-    let workloads = [trace_and_streams(), pressure()];
+    let workloads = [trace_and_streams(), pressure(), trace_and_streams_units()];
     let full = std::env::var("TIDEPOOL_SWEEP_FULL").is_ok_and(|v| v == "1");
     // `TIDEPOOL_SWEEP_ONLY=workload:op:k` (e.g. `pressure:wait_event:1`)
     // runs one triple, to debug it.
@@ -1065,6 +1114,10 @@ fn fault_sweep() {
     ] {
         assert!(calls(0, op) > 0, "the workload never calls {op}");
     }
+    assert!(
+        LARGEST_HANDLE.load(std::sync::atomic::Ordering::Relaxed) > PAGE,
+        "the units workload created no handle of several pages"
+    );
     // The pressure workload is there for its internal dependencies.
     assert!(
         calls(1, Op::WaitEvent) >= 2,

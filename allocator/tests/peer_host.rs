@@ -181,6 +181,12 @@ impl Device for TwoDevices {
     fn is_capturing(&self, stream: Stream) -> SysResult<bool> {
         self.inner.is_capturing(stream)
     }
+    fn stream_probe(
+        &self,
+        stream: Stream,
+    ) -> SysResult<Option<std::sync::Arc<dyn tidepool_sys::StreamProbe>>> {
+        self.inner.stream_probe(stream)
+    }
     fn create_event(&self) -> SysResult<Event> {
         self.inner.create_event()
     }
@@ -467,4 +473,36 @@ fn access_of_a_device_that_does_not_exist_is_a_typed_error() {
         );
     }
     pool.free_async(a, s).unwrap();
+}
+
+/// Units of several pages (one handle each): peer access is set on each
+/// whole mapping, before and after growth, and reads back per mapping.
+#[test]
+fn peer_access_reaches_units_of_several_pages() {
+    let dev = Arc::new(TwoDevices::new(32 * PAGE));
+    let pool = MemPool::new(
+        dev.clone(),
+        PoolConfig::default()
+            .with_va_size(1 << 30)
+            .with_max_unit_size(4 * PAGE)
+            .with_unit_min_block(2 * PAGE),
+    )
+    .unwrap();
+    let s = dev.create_stream().unwrap();
+    // One unit of four pages, mapped before access is given.
+    let a = pool.alloc_async(4 * PAGE, s).unwrap();
+    assert_eq!(dev.inner.live_handles(), 1, "one unit");
+    pool.set_access(1, Access::ReadWrite).unwrap();
+    assert_eq!(pool.access(1).unwrap(), Access::ReadWrite);
+    // Units mapped after: two of four pages.
+    let b = pool.alloc_async(8 * PAGE, s).unwrap();
+    assert_eq!(dev.inner.live_handles(), 3, "two more units");
+    assert_eq!(pool.access(1).unwrap(), Access::ReadWrite, "after growth");
+    pool.set_access(1, Access::Read).unwrap();
+    assert_eq!(pool.access(1).unwrap(), Access::Read);
+    pool.free_async(a, s).unwrap();
+    pool.free_async(b, s).unwrap();
+    pool.synchronize().unwrap();
+    assert_eq!(pool.trim_to(0).unwrap(), 12 * PAGE as u64);
+    assert_eq!(dev.inner.live_mappings(), 0);
 }

@@ -93,4 +93,18 @@ mod tests {
             scenarios::announced_capture_gate();
         }
     }
+
+    #[test]
+    fn lean_lock_excludes_std() {
+        for _ in 0..20 {
+            scenarios::lean_lock_excludes();
+        }
+    }
+
+    #[test]
+    fn forget_retired_vs_stats_std() {
+        for _ in 0..20 {
+            scenarios::forget_retired_vs_stats();
+        }
+    }
 }

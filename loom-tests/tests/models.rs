@@ -106,6 +106,24 @@ fn i_announced_capture_gate() {
 }
 
 #[test]
+fn j_lean_lock_excludes() {
+    let seen = std::sync::Arc::new(Seen::default());
+    let s = seen.clone();
+    loom::model(move || s.record(scenarios::lean_lock_excludes()));
+    let (runs, second_first) = seen.get();
+    eprintln!("lean_lock_excludes: {runs} executions, {second_first} where the spawned thread locked first");
+    assert!(
+        second_first > 0 && second_first < runs,
+        "both orders must be explored"
+    );
+}
+
+#[test]
+fn k_forget_retired_vs_stats() {
+    loom::model(scenarios::forget_retired_vs_stats);
+}
+
+#[test]
 fn l_watch_free_vs_poll() {
     let reused = std::sync::Arc::new(AtomicUsize::new(0));
     let r = reused.clone();

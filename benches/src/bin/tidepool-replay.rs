@@ -105,6 +105,17 @@ struct Args {
     #[arg(long)]
     json: bool,
 
+    /// tidepool's largest physical unit (one handle) for a large block, in
+    /// bytes; suffixes K/M/G/T. The page size (2M) or less: single pages
+    /// (the pool's default).
+    #[arg(long, value_name = "BYTES", value_parser = session::parse_bytes)]
+    max_unit: Option<usize>,
+
+    /// tidepool's smallest block that gets units of several pages, in
+    /// bytes; suffixes K/M/G/T [pool default: 256M].
+    #[arg(long, value_name = "BYTES", value_parser = session::parse_bytes)]
+    unit_min: Option<usize>,
+
     /// Replay only the first N operations of each trace (N >= 1).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     max_ops: Option<u64>,
@@ -314,6 +325,8 @@ fn run(args: Args) -> Result<(), (u8, String)> {
         host_capacity: args.capacity,
         samples_per_pass: if args.plot.is_some() { 4000 } else { 0 },
         progress_every: 0,
+        max_unit_size: args.max_unit,
+        unit_min_block: args.unit_min,
     };
     let bar = if std::io::stderr().is_terminal() {
         let total: usize =

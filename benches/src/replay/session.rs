@@ -123,6 +123,12 @@ pub struct SessionOptions {
     pub samples_per_pass: usize,
     /// Operations between progress callbacks (0: none).
     pub progress_every: usize,
+    /// tidepool's largest physical unit in bytes
+    /// ([`tidepool::PoolConfig::max_unit_size`]; `None`: the default).
+    pub max_unit_size: Option<usize>,
+    /// tidepool's smallest block that gets units
+    /// ([`tidepool::PoolConfig::unit_min_block`]; `None`: the default).
+    pub unit_min_block: Option<usize>,
 }
 
 impl Default for SessionOptions {
@@ -133,6 +139,8 @@ impl Default for SessionOptions {
             host_capacity: None,
             samples_per_pass: 0,
             progress_every: 0,
+            max_unit_size: None,
+            unit_min_block: None,
         }
     }
 }
@@ -167,6 +175,13 @@ pub fn replay(
         };
     }
     let streams = trace.streams.len();
+    let mut pool_config = tidepool::PoolConfig::default();
+    if let Some(bytes) = opts.max_unit_size {
+        pool_config = pool_config.with_max_unit_size(bytes);
+    }
+    if let Some(bytes) = opts.unit_min_block {
+        pool_config = pool_config.with_unit_min_block(bytes);
+    }
     let results = match (kind, opts.backend) {
         (AllocatorKind::Ideal, _) => run!(allocators::IdealAllocator::new(u64::MAX, 1)),
         (AllocatorKind::Tidepool, Backend::Host) => {
@@ -178,11 +193,11 @@ pub fn replay(
                 None => HostConfig::default(),
             };
             let dev = Arc::new(HostDevice::with_config(config));
-            run!(TidepoolAlloc::new(dev, streams)?)
+            run!(TidepoolAlloc::with_config(dev, streams, pool_config)?)
         }
         (AllocatorKind::Tidepool, Backend::Cuda) => {
             let dev = Arc::new(allocators::cuda_device()?);
-            run!(TidepoolAlloc::new(dev, streams)?)
+            run!(TidepoolAlloc::with_config(dev, streams, pool_config)?)
         }
         (AllocatorKind::DriverPool, Backend::Cuda) => {
             let dev = allocators::cuda_device()?;
