@@ -17,6 +17,10 @@
 //! - the list of busy streams ([`StreamOrder::for_busy`]), so that the
 //!   slow path's passes cost what the busy streams cost, not what every
 //!   stream the pool ever met costs;
+//! - the watch list ([`StreamOrder::poll_completions`]): the streams whose
+//!   frees in the arena or recorded events are not yet seen complete,
+//!   polled by every slow allocation (a consumer's free is then reusable by
+//!   its producer as soon as it is done);
 //! - what the pool may still do with a stream's driver handle ([`Reach`]);
 //! - what is known complete ([`Completion`]), learnt by querying events
 //!   ([`StreamOrder::observe_completions`]), by host synchronisation, or —
@@ -291,6 +295,9 @@ pub(crate) struct StreamState {
     /// In the pool's list of busy streams ([`StreamOrder::note_busy`]):
     /// set and cleared under this stream's lock only.
     pub listed: bool,
+    /// In the pool's watch list ([`StreamOrder::watch`]): set and cleared
+    /// under this stream's lock only.
+    pub watched: bool,
     /// In the ledger's list of streams holding headroom (see
     /// `stats::Ledger`): set under this stream's lock when a free gives it
     /// headroom, cleared by whoever collects that headroom.
@@ -314,6 +321,7 @@ impl StreamState {
             cache: SizeCache::default(),
             cached_bytes: 0,
             listed: false,
+            watched: false,
             donor: false,
             counters: Default::default(),
             orphaned: None,
@@ -626,6 +634,12 @@ impl Completion {
     }
 }
 
+/// Events recorded on the allocating stream that its own slow allocations
+/// let pile up before they query them (see
+/// [`StreamOrder::poll_completions`]): a stream that records an event per
+/// allocation, as a producer does, pays one query per this many.
+const OWN_BACKLOG: usize = 8;
+
 /// The stream table and the device calls of stream ordering.
 pub(crate) struct StreamOrder<D: Device> {
     pool: u64,
@@ -635,6 +649,13 @@ pub(crate) struct StreamOrder<D: Device> {
     /// Ids of the streams that may be [`StreamState::busy`] (each at most
     /// once: a stream's `listed` flag says whether it is here).
     busy: Mutex<Vec<u64>>,
+    /// Ids of the streams whose completion can move and matters to other
+    /// streams: frees of a stream that never allocated, gone to the arena
+    /// and not yet known complete, or recorded events not yet seen
+    /// complete (each at most once: the stream's `watched` flag says
+    /// whether it is here). Every slow allocation polls them
+    /// ([`StreamOrder::poll_completions`]).
+    watch: Mutex<Vec<u64>>,
     /// Retired streams still in the table, and the ids of those forgotten.
     retired: Mutex<Retired>,
     /// Whether `retired` lists a stream still in the table (one load on
@@ -677,6 +698,7 @@ impl<D: Device> StreamOrder<D> {
             device,
             streams: RwLock::new(StreamTable::default()),
             busy: Mutex::new(Vec::new()),
+            watch: Mutex::new(Vec::new()),
             retired: Mutex::new(Retired::default()),
             retired_waiting: AtomicBool::new(false),
         }
@@ -696,6 +718,7 @@ impl<D: Device> StreamOrder<D> {
         let record = st.close_epoch(event, self.events.clone());
         // A recorded event is watched until it is seen complete.
         self.note_busy(st);
+        self.note_watch(st);
         Ok(record)
     }
 
@@ -882,6 +905,137 @@ impl<D: Device> StreamOrder<D> {
         if !kept.is_empty() {
             lock(&self.busy).extend(kept);
         }
+    }
+
+    /// Put the stream in the watch list, if it is not there yet (call
+    /// with its lock held). The list lock is a leaf.
+    #[inline]
+    pub fn note_watch(&self, st: &mut StreamState) {
+        if !st.watched {
+            st.watched = true;
+            lock(&self.watch).push(st.stream.id());
+        }
+    }
+
+    /// Watch `stream` (a free of it just went to the arena, guarded by its
+    /// epoch) if it has never allocated: the next slow allocation of any
+    /// stream learns whether that free completed. A stream that allocates
+    /// reuses its own frees by stream order and its spills are found by
+    /// the busy pass, as before. Takes the stream's lock, after the
+    /// arena's if the caller holds it.
+    pub fn watch_stream(&self, stream: Stream) {
+        let note = |e: &Arc<StreamEntry>| {
+            let mut st = lock(&e.state);
+            if st.counters.allocs == 0 {
+                self.note_watch(&mut st);
+            }
+        };
+        if self.with_recent_entry(stream, note).is_none() {
+            if let Ok(e) = self.entry(stream) {
+                note(&e);
+            }
+        }
+    }
+
+    /// Learn, for the watched streams only, what completed since the last
+    /// look, and upgrade those streams' pending free ranges: the front
+    /// recorded events are queried, and a stream with frees that no event
+    /// covers is asked whether all its work is done (one query, no event
+    /// recorded; every free made so far is then complete and its epoch is
+    /// closed). A stream leaves the list once nothing of it is pending.
+    /// Costs one look per watched stream: in a producer/consumer pipeline,
+    /// the consumers that freed since the last allocation, not every
+    /// stream the pool has met. `me`'s own uncovered frees are not asked
+    /// about (stream order already lets `me` reuse them). Does nothing
+    /// unless observed completion may be used (`opportunistic`).
+    pub fn poll_completions(
+        &self,
+        arena: &mut Arena,
+        done: &mut Completion,
+        opportunistic: bool,
+        me: u64,
+    ) {
+        if !opportunistic {
+            return;
+        }
+        let mut ids = std::mem::take(&mut *lock(&self.watch));
+        if ids.is_empty() {
+            return;
+        }
+        // The streams kept are written back over the front of `ids`, whose
+        // allocation goes back to the list (no allocation per poll).
+        let mut kept = 0;
+        for i in 0..ids.len() {
+            let id = ids[i];
+            let Some(entry) = self.entry_by_id(id) else {
+                continue;
+            };
+            let mut s = lock(&entry.state);
+            if id == me && s.recorded.len() < OWN_BACKLOG {
+                // The allocating stream's own events tell it nothing it may
+                // not already do: they are queried only to keep their list
+                // short (the busy pass queries them when it runs).
+                ids[kept] = id;
+                kept += 1;
+                continue;
+            }
+            let before = done.observed(id);
+            while let Some(front) = s.recorded.front() {
+                match self.device.query_event(front.event) {
+                    Ok(true) => {
+                        let epoch = front.epoch;
+                        s.recorded.pop_front();
+                        done.mark_observed(id, epoch);
+                    }
+                    _ => break,
+                }
+            }
+            let mut forget = false;
+            if s.frees_in_epoch && s.recorded.is_empty() && id != me && !s.retired {
+                match self.device.is_capturing(s.stream) {
+                    Ok(false) => match self.device.query_stream(s.stream) {
+                        Ok(true) => {
+                            let epoch = s.close_epoch_synced();
+                            done.mark_observed(id, epoch);
+                        }
+                        Ok(false) => {}
+                        Err(_) => forget = true,
+                    },
+                    Ok(true) => {}
+                    Err(_) => forget = true,
+                }
+            }
+            let now = done.observed(id);
+            if now > before {
+                arena.settle_streams(&[id], |g| match g {
+                    Guard::After { stream, epoch } if stream == id && now >= epoch => {
+                        Some(Guard::Complete)
+                    }
+                    _ => None,
+                });
+            }
+            // The busy pass (and, for a stream whose state cannot be
+            // learnt, the host wait) still sees what is left.
+            if !forget && (s.frees_in_epoch || !s.recorded.is_empty()) && !s.retired {
+                ids[kept] = id;
+                kept += 1;
+            } else {
+                s.watched = false;
+            }
+        }
+        ids.truncate(kept);
+        let mut list = lock(&self.watch);
+        if list.is_empty() {
+            *list = ids;
+        } else {
+            list.extend_from_slice(&ids);
+        }
+    }
+
+    /// How many streams are watched now (tests only).
+    #[cfg(test)]
+    fn watched_len(&self) -> usize {
+        lock(&self.watch).len()
     }
 
     /// What the pool may still do with `stream`'s driver handle.
@@ -1155,6 +1309,75 @@ mod tests {
             "the event of the failed record was reused"
         );
         dev.synchronize_stream(s).unwrap();
+    }
+
+    /// The poll asks only the watched streams, each once, forgets those
+    /// whose frees it saw complete, and never asks about the allocating
+    /// stream's own frees; what it learns upgrades that stream's ranges.
+    #[test]
+    #[cfg(not(loom))]
+    fn poll_asks_only_watched_streams_and_forgets_the_settled() {
+        const PAGE: usize = 2 << 20;
+        let dev = Arc::new(FaultInjector::new(HostDevice::with_config(HostConfig {
+            capacity: 8 << 20,
+            granularity: PAGE,
+        })));
+        let order = StreamOrder::new(1, dev.clone());
+        let streams: Vec<Stream> = (0..64).map(|_| dev.create_stream().unwrap()).collect();
+        for &s in &streams {
+            order.entry(s).unwrap();
+        }
+        let mut arena = Arena::new(64 * PAGE, PAGE);
+        let mut done = Completion::default();
+        let (me, consumer) = (streams[0], streams[37]);
+        // A free of the consumer (guarded by its epoch 1) and one of `me`,
+        // both watched.
+        for &s in &[consumer, me] {
+            lock(&order.entry(s).unwrap().state).frees_in_epoch = true;
+            order.watch_stream(s);
+        }
+        let queries = dev.calls(Op::QueryStream);
+        order.poll_completions(&mut arena, &mut done, true, me.id());
+        assert_eq!(
+            dev.calls(Op::QueryStream),
+            queries + 1,
+            "one query: the consumer (not `me`, not the 62 idle streams)"
+        );
+        assert_eq!(done.observed(consumer.id()), 1, "its epoch 1 is complete");
+        assert_eq!(
+            order.watched_len(),
+            1,
+            "the consumer is forgotten, `me` kept"
+        );
+        order.poll_completions(&mut arena, &mut done, true, me.id());
+        assert_eq!(
+            dev.calls(Op::QueryStream),
+            queries + 1,
+            "nothing new to ask"
+        );
+        // A stream that allocates is not watched for its spills (its own
+        // allocations reuse them by stream order).
+        let alloc_stream = streams[5];
+        {
+            let e = order.entry(alloc_stream).unwrap();
+            let mut st = lock(&e.state);
+            st.counters.allocs = 1;
+            st.frees_in_epoch = true;
+        }
+        order.watch_stream(alloc_stream);
+        assert_eq!(
+            order.watched_len(),
+            1,
+            "an allocating stream is not watched"
+        );
+        // Without opportunistic reuse what it would learn is of no use.
+        lock(&order.entry(consumer).unwrap().state).frees_in_epoch = true;
+        order.watch_stream(consumer);
+        order.poll_completions(&mut arena, &mut done, false, me.id());
+        assert_eq!(dev.calls(Op::QueryStream), queries + 1);
+        for &s in &streams {
+            dev.synchronize_stream(s).unwrap();
+        }
     }
 
     #[test]

@@ -632,14 +632,7 @@ impl<D: Device> MemPool<D> {
             }
         };
         if let Some(epoch) = spill_epoch {
-            lock(&inner.arena).arena.give_back(
-                offset,
-                len,
-                Guard::After {
-                    stream: stream.id(),
-                    epoch,
-                },
-            );
+            inner.spill(stream, offset, len, epoch);
         }
         tracing::trace!(
             pool = inner.id,
@@ -1168,7 +1161,8 @@ impl<D: Device> PoolInner<D> {
         Ok(true)
     }
 
-    /// A free that does not fit the stream's cache goes to the arena.
+    /// A free that does not go to the stream's cache goes to the arena;
+    /// other streams' next slow allocation learns when it completes.
     #[cold]
     fn spill(&self, stream: Stream, offset: usize, len: usize, epoch: u64) {
         lock(&self.arena).arena.give_back(
@@ -1179,6 +1173,7 @@ impl<D: Device> PoolInner<D> {
                 epoch,
             },
         );
+        self.order.watch_stream(stream);
     }
 
     /// Step 0 of an allocation: a block of exactly `len` bytes from the
@@ -1263,8 +1258,12 @@ impl<D: Device> PoolInner<D> {
     /// has room (one block of any size may always stay: a stream that frees
     /// and reallocates 1 GiB would otherwise pay the arena's page
     /// bookkeeping each time; caches join the arena before any growth, so
-    /// this never costs footprint). Returns the epoch to guard the range
-    /// with when it goes to the arena instead.
+    /// this never costs footprint). A stream that has never allocated (a
+    /// consumer that frees what a producer allocated) caches nothing: its
+    /// cache would only be flushed, all of it, by someone else's slow
+    /// allocation, so its frees go to the arena at once, where the
+    /// producer's next allocation can see them complete. Returns the epoch
+    /// to guard the range with when it goes to the arena instead.
     #[inline]
     fn stash_free(
         &self,
@@ -1284,7 +1283,10 @@ impl<D: Device> PoolInner<D> {
         let new_donor = !std::mem::replace(&mut st.donor, true);
         let epoch = st.epoch;
         let limit = self.config.stream_cache_bytes;
-        let spill = if limit > 0 && (st.cached_bytes + len <= limit || st.cached_bytes == 0) {
+        let spill = if limit > 0
+            && st.counters.allocs > 0
+            && (st.cached_bytes + len <= limit || st.cached_bytes == 0)
+        {
             st.cached_bytes += len;
             st.cache.push(len, CachedBlock { offset, epoch });
             None

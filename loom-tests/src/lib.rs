@@ -81,6 +81,13 @@ mod tests {
     }
 
     #[test]
+    fn watch_free_vs_poll_std() {
+        for _ in 0..20 {
+            scenarios::watch_free_vs_poll();
+        }
+    }
+
+    #[test]
     fn announced_capture_gate_std() {
         for _ in 0..20 {
             scenarios::announced_capture_gate();

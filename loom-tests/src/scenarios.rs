@@ -493,3 +493,54 @@ pub fn forget_retired_vs_stats() {
     dev.complete_all();
     teardown(dev, pool);
 }
+
+/// (l) The watch list that slow allocations poll instead of every stream.
+/// Producer P allocated x (one page) and consumer C, ordered after P
+/// through a pool event, uses it (busy: its work completes only when the
+/// thread says so). C has never allocated, so its free goes straight to
+/// the arena and C is watched. Thread 1 frees x on C, then lets C's work
+/// complete; thread 2 allocates a page on P meanwhile, which polls the
+/// watched streams. The device checks that P never gets x while C's work
+/// on it may still run (a poll that took C's epoch as complete without
+/// asking, or asked before the free, is caught there). Afterwards P
+/// allocates again: x's free is known complete by then, so the pool never
+/// needs a third page. Returns whether thread 2's allocation reused x.
+pub fn watch_free_vs_poll() -> bool {
+    let (dev, pool) = setup(1 << 20);
+    let p = dev.create_stream().unwrap();
+    let c = dev.create_stream().unwrap();
+    let x = alloc(&dev, &pool, GRANULARITY, p);
+    let x_ptr = x.ptr();
+    let ev = pool.record_event(p).unwrap();
+    pool.wait_event(c, &ev).unwrap();
+    drop(ev);
+    dev.set_busy(c, true);
+    let t1 = {
+        let (dev, pool) = (dev.clone(), pool.clone());
+        thread::spawn(move || {
+            dev.unclaim(x.ptr(), p);
+            dev.claim(x.ptr(), x.size(), c);
+            dev.launch(c); // the consumer's kernel that reads x
+            free(&dev, &pool, x, c);
+            dev.set_busy(c, false);
+        })
+    };
+    let t2 = {
+        let (dev, pool) = (dev.clone(), pool.clone());
+        thread::spawn(move || alloc(&dev, &pool, GRANULARITY, p))
+    };
+    t1.join().unwrap();
+    let y = t2.join().unwrap();
+    let reused = y.ptr() == x_ptr;
+    let z = alloc(&dev, &pool, GRANULARITY, p);
+    assert!(
+        pool.stats().growths <= 2,
+        "x's completed free was not reused: {:?}",
+        pool.stats()
+    );
+    free(&dev, &pool, y, p);
+    free(&dev, &pool, z, p);
+    dev.complete_all();
+    teardown(dev, pool);
+    reused
+}

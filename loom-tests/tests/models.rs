@@ -122,3 +122,16 @@ fn j_lean_lock_excludes() {
 fn k_forget_retired_vs_stats() {
     loom::model(scenarios::forget_retired_vs_stats);
 }
+
+#[test]
+fn l_watch_free_vs_poll() {
+    let reused = std::sync::Arc::new(AtomicUsize::new(0));
+    let r = reused.clone();
+    loom::model(move || {
+        if scenarios::watch_free_vs_poll() {
+            r.fetch_add(1, Ordering::Relaxed);
+        }
+    });
+    // Some interleaving lets the poll see the free complete.
+    assert!(reused.load(Ordering::Relaxed) > 0);
+}
