@@ -989,19 +989,56 @@ impl Arena {
         changed.clear();
         let mut next = self.pending.iter().next().map(|k| k.0);
         while let Some(stream) = next {
-            for &(_, epoch, off) in self
-                .pending
-                .range((stream, 0, 0)..=(stream, u64::MAX, usize::MAX))
-            {
-                match upgrade(Guard::After { stream, epoch }) {
-                    Some(g) => changed.push((off, self.free[&off], g)),
-                    None => break,
-                }
-            }
+            self.collect_settled(stream, &mut upgrade, &mut changed);
             next = stream
                 .checked_add(1)
                 .and_then(|s| self.pending.range((s, 0, 0)..).next().map(|k| k.0));
         }
+        self.apply_settled(changed, upgrade);
+    }
+
+    /// [`settle`](Self::settle) for the pending ranges of `streams` alone
+    /// (the streams whose completion moved): costs what their pending
+    /// ranges that upgrade cost, plus one look per stream, however many
+    /// other streams have ranges pending.
+    pub fn settle_streams(
+        &mut self,
+        streams: &[u64],
+        mut upgrade: impl FnMut(Guard) -> Option<Guard>,
+    ) {
+        let mut changed = std::mem::take(&mut self.settle_scratch);
+        changed.clear();
+        for &stream in streams {
+            self.collect_settled(stream, &mut upgrade, &mut changed);
+        }
+        self.apply_settled(changed, upgrade);
+    }
+
+    /// The pending ranges of `stream` that `upgrade` rewrites, oldest
+    /// first, up to the first one it leaves as it is.
+    fn collect_settled(
+        &self,
+        stream: u64,
+        upgrade: &mut impl FnMut(Guard) -> Option<Guard>,
+        changed: &mut Vec<(usize, FreeRange, Guard)>,
+    ) {
+        for &(_, epoch, off) in self
+            .pending
+            .range((stream, 0, 0)..=(stream, u64::MAX, usize::MAX))
+        {
+            match upgrade(Guard::After { stream, epoch }) {
+                Some(g) => changed.push((off, self.free[&off], g)),
+                None => break,
+            }
+        }
+    }
+
+    /// Rewrite the guards collected by [`collect_settled`](Self::collect_settled).
+    fn apply_settled(
+        &mut self,
+        mut changed: Vec<(usize, FreeRange, Guard)>,
+        mut upgrade: impl FnMut(Guard) -> Option<Guard>,
+    ) {
         changed.sort_unstable_by_key(|c| c.0);
         // Re-inserting a range merges it with both neighbours where the
         // guards allow, so neighbours upgraded in any order end up merged.
@@ -1822,6 +1859,73 @@ mod tests {
                             a.free_ranges().map(|(o, r)| (o, r.len, r.guard))
                                 .eq(b.free_ranges().map(|(o, r)| (o, r.len, r.guard))),
                             "settle differs from the full scan at step {}", step
+                        );
+                    }
+                }
+                a.check();
+            }
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(200))]
+        /// Settling only the streams whose completion moved leaves the
+        /// same free ranges as a scan of every range, when only those
+        /// streams' completion moved.
+        #[test]
+        fn settling_the_moved_streams_agrees_with_the_full_scan(ops in index_ops()) {
+            let mut a = arena_with_pages(4);
+            let mut b = arena_with_pages(4);
+            let mut done = [0u64; 4];
+            let mut live: Vec<(usize, usize)> = Vec::new();
+            for (step, &(kind, x, y)) in ops.iter().enumerate() {
+                let (x, y) = (x as usize, y as usize);
+                match kind {
+                    0..=2 => {
+                        let ranges: Vec<(usize, FreeRange)> = a.free_ranges().collect();
+                        if ranges.is_empty() {
+                            continue;
+                        }
+                        let (o, r) = ranges[x % ranges.len()];
+                        let skip = if y % 2 == 0 { 0 } else { (y >> 1) % r.len };
+                        let len = 1 + (y >> 8) % (r.len - skip).min(1 << 20);
+                        a.take(o + skip, len);
+                        b.take(o + skip, len);
+                        live.push((o + skip, len));
+                    }
+                    3 | 4 if !live.is_empty() => {
+                        let (o, l) = live.swap_remove(x % live.len());
+                        let guard = match y % 4 {
+                            0 => Guard::Complete,
+                            s => Guard::After {
+                                stream: s as u64,
+                                epoch: step as u64 + 1,
+                            },
+                        };
+                        a.give_back(o, l, guard);
+                        b.give_back(o, l, guard);
+                    }
+                    _ => {
+                        // One stream's completion moves forward (twice in
+                        // one call now and then, the same stream listed
+                        // twice).
+                        let s = 1 + x % 3;
+                        done[s] = done[s].max((y % (step + 2)) as u64);
+                        let upgrade = |g| match g {
+                            Guard::After { stream, epoch }
+                                if stream == s as u64 && done[s] >= epoch =>
+                            {
+                                Some(Guard::Complete)
+                            }
+                            _ => None,
+                        };
+                        let moved = [s as u64, 3, s as u64];
+                        a.settle_streams(&moved[..1 + y % 3], upgrade);
+                        b.settle_linear(upgrade);
+                        proptest::prop_assert!(
+                            a.free_ranges().map(|(o, r)| (o, r.len, r.guard))
+                                .eq(b.free_ranges().map(|(o, r)| (o, r.len, r.guard))),
+                            "settle_streams differs from the full scan at step {}", step
                         );
                     }
                 }

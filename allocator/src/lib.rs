@@ -84,9 +84,7 @@ pub(crate) mod sync;
 
 pub use config::{PoolConfig, ReusePolicy};
 pub use error::{OomReport, PoolError};
-#[cfg(not(loom))]
-pub use pool::default_pool;
-pub use pool::{Allocation, FreeError, MemPool, PoolEvent, ALIGNMENT};
+pub use pool::{default_pool, Allocation, FreeError, MemPool, PoolEvent, ALIGNMENT};
 pub use share::{ExportedAllocation, ImportedAllocation};
 pub use stats::PoolStats;
 pub use tidepool_sys::{Access, Device, DevicePtr, Stream};

@@ -11,11 +11,16 @@
 //! Here live, and only here:
 //! - vector clocks, epochs and the records of events the pool recorded;
 //! - the event recycler;
-//! - the stream table (one [`StreamEntry`] per stream ever seen, never
-//!   removed) and each stream's state, its private cache of frees included;
+//! - the stream table (one [`StreamEntry`] per stream met, dropped once
+//!   the stream is retired and nothing needs it any more) and each
+//!   stream's state, its private cache of frees included;
 //! - the list of busy streams ([`StreamOrder::for_busy`]), so that the
 //!   slow path's passes cost what the busy streams cost, not what every
 //!   stream the pool ever met costs;
+//! - the watch list ([`StreamOrder::poll_completions`]): the streams whose
+//!   frees in the arena or recorded events are not yet seen complete,
+//!   polled by every slow allocation (a consumer's free is then reusable by
+//!   its producer as soon as it is done);
 //! - what the pool may still do with a stream's driver handle ([`Reach`]);
 //! - what is known complete ([`Completion`]), learnt by querying events
 //!   ([`StreamOrder::observe_completions`]), by host synchronisation, or —
@@ -30,10 +35,10 @@
 
 use crate::arena::{Arena, Guard};
 use crate::error::PoolError;
-use crate::sync::{lock, Arc, Mutex, RwLock};
+use crate::sync::{lock, Arc, AtomicBool, LeanMutex, Mutex, Ordering, RwLock};
 use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
-use tidepool_sys::{Device, Event, Stream, SysError, SysResult};
+use tidepool_sys::{Device, Event, Stream, StreamProbe, SysError, SysResult};
 
 /// For each stream id, the highest epoch known to be ordered before.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -85,27 +90,10 @@ pub(crate) struct EventRecord {
     pub epoch: u64,
     /// The recording stream's clock at the record, including itself at `epoch`.
     pub clock: VectorClock,
-    pub sink: Arc<dyn EventSink>,
-}
-
-/// `Arc<S>` as `Arc<dyn EventSink>`. loom's `Arc` cannot unsize, so under
-/// `cfg(loom)` the loom `Arc` is wrapped in a std `Arc` and handed to loom's
-/// `Arc::from_std` (one extra allocation per recorded event, models only).
-#[cfg(not(loom))]
-fn dyn_sink<S: EventSink + 'static>(sink: Arc<S>) -> Arc<dyn EventSink> {
-    sink
-}
-
-#[cfg(loom)]
-fn dyn_sink<S: EventSink + 'static>(sink: Arc<S>) -> Arc<dyn EventSink> {
-    Arc::from_std(std::sync::Arc::new(sink))
-}
-
-#[cfg(loom)]
-impl<S: EventSink> EventSink for Arc<S> {
-    fn release(&self, event: Event) {
-        (**self).release(event)
-    }
+    /// A std `Arc` under loom too: loom's cannot become a trait object,
+    /// and the sink is the pool's event recycler, which outlives every
+    /// record but the last (loom still sees the recycler's own lock).
+    pub sink: std::sync::Arc<dyn EventSink>,
 }
 
 impl Drop for EventRecord {
@@ -171,10 +159,47 @@ const SMALL_CACHE_MAX: usize = 64 << 10;
 /// lengths a stream frees most often are small, and those are found by
 /// indexing an array with `len / 512` (no hashing); longer blocks go to a
 /// map keyed by length.
+///
+/// The array is one allocation aligned to and sized in whole 128-byte
+/// pairs of cache lines, and each length's most recent block sits in it
+/// (older ones in a list beside it): a stream whose thread frees and
+/// reallocates one block of a size writes only into its own lines, even
+/// when another thread made the cache (the first free on each stream,
+/// say) and the allocator placed the caches of several streams side by
+/// side.
 #[derive(Debug, Default)]
 pub(crate) struct SizeCache {
-    small: Vec<Vec<CachedBlock>>,
+    small: Option<Box<SmallSlots>>,
     large: HashMap<usize, Vec<CachedBlock>, BuildIntHasher>,
+}
+
+/// One slot per multiple of 512 bytes up to [`SMALL_CACHE_MAX`].
+const SMALL_SLOTS: usize = SMALL_CACHE_MAX / CACHE_GRAIN;
+
+#[derive(Debug)]
+#[repr(C, align(128))]
+struct SmallSlots([Slot; SMALL_SLOTS]);
+
+/// The blocks of one length: the most recent in place, older ones in
+/// `older` (oldest first).
+#[derive(Debug, Default)]
+struct Slot {
+    top: Option<CachedBlock>,
+    older: Vec<CachedBlock>,
+}
+
+impl Slot {
+    #[inline]
+    fn pop(&mut self) -> Option<CachedBlock> {
+        self.top.take().or_else(|| self.older.pop())
+    }
+
+    #[inline]
+    fn push(&mut self, block: CachedBlock) {
+        if let Some(prev) = self.top.replace(block) {
+            self.older.push(prev);
+        }
+    }
 }
 
 impl SizeCache {
@@ -187,19 +212,21 @@ impl SizeCache {
     #[inline]
     pub fn pop(&mut self, len: usize) -> Option<CachedBlock> {
         match Self::small_slot(len) {
-            Some(i) => self.small.get_mut(i)?.pop(),
+            Some(i) => self.small.as_mut()?.0[i].pop(),
             None => self.large.get_mut(&len)?.pop(),
         }
     }
 
+    #[inline]
     pub fn push(&mut self, len: usize, block: CachedBlock) {
         match Self::small_slot(len) {
-            Some(i) => {
-                if self.small.len() <= i {
-                    self.small.resize_with(i + 1, Vec::new);
-                }
-                self.small[i].push(block);
-            }
+            Some(i) => self
+                .small
+                .get_or_insert_with(|| {
+                    Box::new(SmallSlots(std::array::from_fn(|_| Slot::default())))
+                })
+                .0[i]
+                .push(block),
             None => self.large.entry(len).or_default().push(block),
         }
     }
@@ -207,21 +234,37 @@ impl SizeCache {
     /// The most recently cached block of exactly `len` bytes freed in
     /// epoch `epoch` or earlier.
     pub fn take_covered(&mut self, len: usize, epoch: u64) -> Option<CachedBlock> {
-        let list = match Self::small_slot(len) {
-            Some(i) => self.small.get_mut(i)?,
-            None => self.large.get_mut(&len)?,
-        };
-        let at = list.iter().rposition(|b| b.epoch <= epoch)?;
-        Some(list.remove(at))
+        match Self::small_slot(len) {
+            Some(i) => {
+                let slot = &mut self.small.as_mut()?.0[i];
+                if slot.top.is_some_and(|b| b.epoch <= epoch) {
+                    let b = slot.top.take();
+                    slot.top = slot.older.pop();
+                    return b;
+                }
+                let at = slot.older.iter().rposition(|b| b.epoch <= epoch)?;
+                Some(slot.older.remove(at))
+            }
+            None => {
+                let list = self.large.get_mut(&len)?;
+                let at = list.iter().rposition(|b| b.epoch <= epoch)?;
+                Some(list.remove(at))
+            }
+        }
     }
 
     /// Hand every block to `f` (length, block), emptying the cache (the
-    /// lists keep their capacity).
+    /// lists keep their capacity), oldest first within a length.
     fn drain(&mut self, mut f: impl FnMut(usize, CachedBlock)) {
-        for (i, blocks) in self.small.iter_mut().enumerate() {
-            let len = (i + 1) * CACHE_GRAIN;
-            for b in blocks.drain(..) {
-                f(len, b);
+        if let Some(small) = self.small.as_mut() {
+            for (i, slot) in small.0.iter_mut().enumerate() {
+                let len = (i + 1) * CACHE_GRAIN;
+                for b in slot.older.drain(..) {
+                    f(len, b);
+                }
+                if let Some(b) = slot.top.take() {
+                    f(len, b);
+                }
             }
         }
         for (len, blocks) in self.large.drain() {
@@ -252,6 +295,9 @@ pub(crate) struct StreamState {
     /// In the pool's list of busy streams ([`StreamOrder::note_busy`]):
     /// set and cleared under this stream's lock only.
     pub listed: bool,
+    /// In the pool's watch list ([`StreamOrder::watch`]): set and cleared
+    /// under this stream's lock only.
+    pub watched: bool,
     /// In the ledger's list of streams holding headroom (see
     /// `stats::Ledger`): set under this stream's lock when a free gives it
     /// headroom, cleared by whoever collects that headroom.
@@ -275,6 +321,7 @@ impl StreamState {
             cache: SizeCache::default(),
             cached_bytes: 0,
             listed: false,
+            watched: false,
             donor: false,
             counters: Default::default(),
             orphaned: None,
@@ -282,12 +329,11 @@ impl StreamState {
     }
 
     /// Close the current epoch with a freshly recorded event.
-    pub fn close_epoch<S: EventSink + 'static>(
+    pub fn close_epoch(
         &mut self,
         event: Event,
-        sink: Arc<S>,
+        sink: std::sync::Arc<dyn EventSink>,
     ) -> Arc<EventRecord> {
-        let sink = dyn_sink(sink);
         let epoch = self.epoch;
         let mut clock = self.clock.clone();
         clock.raise(self.stream.id(), epoch);
@@ -407,14 +453,53 @@ impl<D: Device> Drop for EventRecycler<D> {
     }
 }
 
-/// One stream's state in the table, behind its own lock.
+/// One stream's state in the table, behind its own lock, and the device's
+/// handle on the stream for the questions of every allocation and free.
+///
+/// Aligned to two cache lines (the adjacent-line prefetcher pairs lines):
+/// threads that each work on their own stream then write no line another
+/// thread writes, however the entries land on the heap.
+#[repr(align(128))]
 pub(crate) struct StreamEntry {
-    pub state: Mutex<StreamState>,
+    pub state: LeanMutex<StreamState>,
+    /// The device's [`StreamProbe`] for the stream, taken when the entry
+    /// is made (`None` when the device has none, or the stream was already
+    /// destroyed: the device is then asked by stream id).
+    probe: Option<std::sync::Arc<dyn StreamProbe>>,
+}
+
+impl StreamEntry {
+    pub fn new(stream: Stream, probe: Option<std::sync::Arc<dyn StreamProbe>>) -> Self {
+        StreamEntry {
+            state: LeanMutex::new(StreamState::new(stream)),
+            probe,
+        }
+    }
+
+    /// Whether `stream` (this entry's) runs its work now: `Ok(false)` when
+    /// it is being captured; an error when it is destroyed. Asks the
+    /// device about capture only when `check_capture`; otherwise only
+    /// whether the stream is still live. Through the probe (no lookup, no
+    /// reference counting) when the device gave one.
+    #[inline]
+    pub fn runs<D: Device>(
+        &self,
+        device: &D,
+        stream: Stream,
+        check_capture: bool,
+    ) -> Result<bool, SysError> {
+        match (&self.probe, check_capture) {
+            (Some(p), true) => p.is_capturing().map(|c| !c),
+            (Some(p), false) => p.check().map(|()| true),
+            (None, true) => device.is_capturing(stream).map(|c| !c),
+            (None, false) => device.check_stream(stream).map(|()| true),
+        }
+    }
 }
 
 /// The stream entries this thread used last, keyed by pool id and stream
-/// id (both never reused, and entries are never removed from a pool, so a
-/// hit is always the right entry). Spares the hot path the stream table's
+/// id (both never reused, so a hit is always the right entry: a retired
+/// stream's entry stays retired after the table drops it). Spares the hot path the stream table's
 /// shared lock and hashing. A fixed table of slots, each (pool, stream)
 /// pair in the one slot its ids pick: a lookup is one comparison and a
 /// miss replaces that slot, whatever the number of streams a thread cycles
@@ -549,25 +634,73 @@ impl Completion {
     }
 }
 
+/// Events recorded on the allocating stream that its own slow allocations
+/// let pile up before they query them (see
+/// [`StreamOrder::poll_completions`]): a stream that records an event per
+/// allocation, as a producer does, pays one query per this many.
+const OWN_BACKLOG: usize = 8;
+
 /// The stream table and the device calls of stream ordering.
 pub(crate) struct StreamOrder<D: Device> {
     pool: u64,
     device: Arc<D>,
-    events: Arc<EventRecycler<D>>,
-    streams: RwLock<HashMap<u64, Arc<StreamEntry>>>,
+    events: std::sync::Arc<EventRecycler<D>>,
+    streams: RwLock<StreamTable>,
     /// Ids of the streams that may be [`StreamState::busy`] (each at most
     /// once: a stream's `listed` flag says whether it is here).
     busy: Mutex<Vec<u64>>,
+    /// Ids of the streams whose completion can move and matters to other
+    /// streams: frees of a stream that never allocated, gone to the arena
+    /// and not yet known complete, or recorded events not yet seen
+    /// complete (each at most once: the stream's `watched` flag says
+    /// whether it is here). Every slow allocation polls them
+    /// ([`StreamOrder::poll_completions`]).
+    watch: Mutex<Vec<u64>>,
+    /// Retired streams still in the table, and the ids of those forgotten.
+    retired: Mutex<Retired>,
+    /// Whether `retired` lists a stream still in the table (one load on
+    /// the paths that offer to forget them).
+    retired_waiting: AtomicBool,
+}
+
+/// Retired streams still in the table because something may still need
+/// their entry (cached frees or events not yet seen complete, an epoch
+/// closed without an event).
+#[derive(Default)]
+struct Retired {
+    waiting: Vec<u64>,
+}
+
+/// The stream table: an entry per stream met and not forgotten, and the
+/// ids of the retired streams dropped from it, under one lock (a stream
+/// leaves the map and joins `forgotten` at once, so a lookup never misses
+/// both). Ids are never reused, so a forgotten id only ever means
+/// "retired": it is kept (8 bytes) so that the stream is refused rather
+/// than met anew. Reads as the map.
+#[derive(Default)]
+pub(crate) struct StreamTable {
+    map: HashMap<u64, Arc<StreamEntry>>,
+    forgotten: std::collections::HashSet<u64, BuildIntHasher>,
+}
+
+impl std::ops::Deref for StreamTable {
+    type Target = HashMap<u64, Arc<StreamEntry>>;
+    fn deref(&self) -> &Self::Target {
+        &self.map
+    }
 }
 
 impl<D: Device> StreamOrder<D> {
     pub fn new(pool: u64, device: Arc<D>) -> Self {
         StreamOrder {
             pool,
-            events: Arc::new(EventRecycler::new(device.clone())),
+            events: std::sync::Arc::new(EventRecycler::new(device.clone())),
             device,
-            streams: RwLock::new(HashMap::new()),
+            streams: RwLock::new(StreamTable::default()),
             busy: Mutex::new(Vec::new()),
+            watch: Mutex::new(Vec::new()),
+            retired: Mutex::new(Retired::default()),
+            retired_waiting: AtomicBool::new(false),
         }
     }
 
@@ -585,6 +718,7 @@ impl<D: Device> StreamOrder<D> {
         let record = st.close_epoch(event, self.events.clone());
         // A recorded event is watched until it is seen complete.
         self.note_busy(st);
+        self.note_watch(st);
         Ok(record)
     }
 
@@ -625,18 +759,22 @@ impl<D: Device> StreamOrder<D> {
         }
         // Once per stream and pool (not on the hot path). A destroyed
         // stream still gets its state (the rules for streams destroyed
-        // without retirement need it); another device's stream does not.
-        if let Err(e @ SysError::ForeignHandle { .. }) = self.device.check_stream(stream) {
-            return Err(e.into());
+        // without retirement need it), with no probe; another device's
+        // stream does not.
+        let probe = match self.device.stream_probe(stream) {
+            Ok(p) => p,
+            Err(e @ SysError::ForeignHandle { .. }) => return Err(e.into()),
+            Err(_) => None,
+        };
+        let mut table = self.streams.write().unwrap_or_else(|p| p.into_inner());
+        // A forgotten stream was retired: refused, not met anew.
+        if table.forgotten.contains(&stream.id()) {
+            return Err(PoolError::StreamRetired { stream });
         }
-        let mut map = self.streams.write().unwrap_or_else(|p| p.into_inner());
-        Ok(map
+        Ok(table
+            .map
             .entry(stream.id())
-            .or_insert_with(|| {
-                Arc::new(StreamEntry {
-                    state: Mutex::new(StreamState::new(stream)),
-                })
-            })
+            .or_insert_with(|| Arc::new(StreamEntry::new(stream, probe)))
             .clone())
     }
 
@@ -666,6 +804,63 @@ impl<D: Device> StreamOrder<D> {
             .unwrap_or_else(|p| p.into_inner())
             .get(&id)
             .cloned()
+    }
+
+    /// `stream` was just retired (its entry marked so): list it, to be
+    /// dropped from the table once nothing needs its entry.
+    pub fn note_retired(&self, stream: Stream) {
+        lock(&self.retired).waiting.push(stream.id());
+        self.retired_waiting.store(true, Ordering::Release);
+    }
+
+    /// Whether retired streams wait to be forgotten (one load).
+    #[inline]
+    pub fn retired_waiting(&self) -> bool {
+        self.retired_waiting.load(Ordering::Acquire)
+    }
+
+    /// Drop from the table the retired streams whose entries nothing
+    /// needs any more: no cached frees, no frees without an event, no
+    /// event not yet seen complete, no epoch waiting for a device-wide
+    /// wait. `fold` gets each one's state, under its lock, just before it
+    /// goes (the caller keeps its counters). Lock order: the caller's
+    /// (the ledger), this list, then each stream, then the table (a leaf:
+    /// nothing is locked under it). Threads
+    /// that still hold the entry in their recent entries see it retired;
+    /// the others are refused by its id.
+    pub fn forget_retired(&self, mut fold: impl FnMut(&mut StreamState)) -> usize {
+        let mut retired = lock(&self.retired);
+        let mut forgotten = 0;
+        let mut i = 0;
+        while i < retired.waiting.len() {
+            let id = retired.waiting[i];
+            let Some(entry) = self.entry_by_id(id) else {
+                retired.waiting.swap_remove(i);
+                continue;
+            };
+            let mut st = lock(&entry.state);
+            if !st.retired || st.busy() || st.orphaned.is_some() {
+                i += 1;
+                continue;
+            }
+            fold(&mut st);
+            let mut table = self.streams.write().unwrap_or_else(|p| p.into_inner());
+            table.map.remove(&id);
+            table.forgotten.insert(id);
+            drop(table);
+            drop(st);
+            retired.waiting.swap_remove(i);
+            forgotten += 1;
+        }
+        self.retired_waiting
+            .store(!retired.waiting.is_empty(), Ordering::Release);
+        forgotten
+    }
+
+    /// Streams in the table (tests: retired streams do not pile up).
+    #[cfg(test)]
+    pub fn table_len(&self) -> usize {
+        self.streams.read().unwrap_or_else(|p| p.into_inner()).len()
     }
 
     /// Put the stream in the list of busy streams, if it is not there yet
@@ -710,6 +905,137 @@ impl<D: Device> StreamOrder<D> {
         if !kept.is_empty() {
             lock(&self.busy).extend(kept);
         }
+    }
+
+    /// Put the stream in the watch list, if it is not there yet (call
+    /// with its lock held). The list lock is a leaf.
+    #[inline]
+    pub fn note_watch(&self, st: &mut StreamState) {
+        if !st.watched {
+            st.watched = true;
+            lock(&self.watch).push(st.stream.id());
+        }
+    }
+
+    /// Watch `stream` (a free of it just went to the arena, guarded by its
+    /// epoch) if it has never allocated: the next slow allocation of any
+    /// stream learns whether that free completed. A stream that allocates
+    /// reuses its own frees by stream order and its spills are found by
+    /// the busy pass, as before. Takes the stream's lock, after the
+    /// arena's if the caller holds it.
+    pub fn watch_stream(&self, stream: Stream) {
+        let note = |e: &Arc<StreamEntry>| {
+            let mut st = lock(&e.state);
+            if st.counters.allocs == 0 {
+                self.note_watch(&mut st);
+            }
+        };
+        if self.with_recent_entry(stream, note).is_none() {
+            if let Ok(e) = self.entry(stream) {
+                note(&e);
+            }
+        }
+    }
+
+    /// Learn, for the watched streams only, what completed since the last
+    /// look, and upgrade those streams' pending free ranges: the front
+    /// recorded events are queried, and a stream with frees that no event
+    /// covers is asked whether all its work is done (one query, no event
+    /// recorded; every free made so far is then complete and its epoch is
+    /// closed). A stream leaves the list once nothing of it is pending.
+    /// Costs one look per watched stream: in a producer/consumer pipeline,
+    /// the consumers that freed since the last allocation, not every
+    /// stream the pool has met. `me`'s own uncovered frees are not asked
+    /// about (stream order already lets `me` reuse them). Does nothing
+    /// unless observed completion may be used (`opportunistic`).
+    pub fn poll_completions(
+        &self,
+        arena: &mut Arena,
+        done: &mut Completion,
+        opportunistic: bool,
+        me: u64,
+    ) {
+        if !opportunistic {
+            return;
+        }
+        let mut ids = std::mem::take(&mut *lock(&self.watch));
+        if ids.is_empty() {
+            return;
+        }
+        // The streams kept are written back over the front of `ids`, whose
+        // allocation goes back to the list (no allocation per poll).
+        let mut kept = 0;
+        for i in 0..ids.len() {
+            let id = ids[i];
+            let Some(entry) = self.entry_by_id(id) else {
+                continue;
+            };
+            let mut s = lock(&entry.state);
+            if id == me && s.recorded.len() < OWN_BACKLOG {
+                // The allocating stream's own events tell it nothing it may
+                // not already do: they are queried only to keep their list
+                // short (the busy pass queries them when it runs).
+                ids[kept] = id;
+                kept += 1;
+                continue;
+            }
+            let before = done.observed(id);
+            while let Some(front) = s.recorded.front() {
+                match self.device.query_event(front.event) {
+                    Ok(true) => {
+                        let epoch = front.epoch;
+                        s.recorded.pop_front();
+                        done.mark_observed(id, epoch);
+                    }
+                    _ => break,
+                }
+            }
+            let mut forget = false;
+            if s.frees_in_epoch && s.recorded.is_empty() && id != me && !s.retired {
+                match self.device.is_capturing(s.stream) {
+                    Ok(false) => match self.device.query_stream(s.stream) {
+                        Ok(true) => {
+                            let epoch = s.close_epoch_synced();
+                            done.mark_observed(id, epoch);
+                        }
+                        Ok(false) => {}
+                        Err(_) => forget = true,
+                    },
+                    Ok(true) => {}
+                    Err(_) => forget = true,
+                }
+            }
+            let now = done.observed(id);
+            if now > before {
+                arena.settle_streams(&[id], |g| match g {
+                    Guard::After { stream, epoch } if stream == id && now >= epoch => {
+                        Some(Guard::Complete)
+                    }
+                    _ => None,
+                });
+            }
+            // The busy pass (and, for a stream whose state cannot be
+            // learnt, the host wait) still sees what is left.
+            if !forget && (s.frees_in_epoch || !s.recorded.is_empty()) && !s.retired {
+                ids[kept] = id;
+                kept += 1;
+            } else {
+                s.watched = false;
+            }
+        }
+        ids.truncate(kept);
+        let mut list = lock(&self.watch);
+        if list.is_empty() {
+            *list = ids;
+        } else {
+            list.extend_from_slice(&ids);
+        }
+    }
+
+    /// How many streams are watched now (tests only).
+    #[cfg(test)]
+    fn watched_len(&self) -> usize {
+        lock(&self.watch).len()
     }
 
     /// What the pool may still do with `stream`'s driver handle.
@@ -943,8 +1269,11 @@ mod tests {
     /// a later pass records again) and gives the event back: the next
     /// record reuses it instead of creating another (no event leaks).
     #[test]
-    #[cfg(not(loom))]
     fn record_closing_gives_the_event_back_when_the_record_fails() {
+        crate::sync::model(record_closing_body);
+    }
+
+    fn record_closing_body() {
         let dev = Arc::new(FaultInjector::new(HostDevice::with_config(HostConfig {
             capacity: 8 << 20,
             granularity: 2 << 20,
@@ -980,6 +1309,75 @@ mod tests {
             "the event of the failed record was reused"
         );
         dev.synchronize_stream(s).unwrap();
+    }
+
+    /// The poll asks only the watched streams, each once, forgets those
+    /// whose frees it saw complete, and never asks about the allocating
+    /// stream's own frees; what it learns upgrades that stream's ranges.
+    #[test]
+    #[cfg(not(loom))]
+    fn poll_asks_only_watched_streams_and_forgets_the_settled() {
+        const PAGE: usize = 2 << 20;
+        let dev = Arc::new(FaultInjector::new(HostDevice::with_config(HostConfig {
+            capacity: 8 << 20,
+            granularity: PAGE,
+        })));
+        let order = StreamOrder::new(1, dev.clone());
+        let streams: Vec<Stream> = (0..64).map(|_| dev.create_stream().unwrap()).collect();
+        for &s in &streams {
+            order.entry(s).unwrap();
+        }
+        let mut arena = Arena::new(64 * PAGE, PAGE);
+        let mut done = Completion::default();
+        let (me, consumer) = (streams[0], streams[37]);
+        // A free of the consumer (guarded by its epoch 1) and one of `me`,
+        // both watched.
+        for &s in &[consumer, me] {
+            lock(&order.entry(s).unwrap().state).frees_in_epoch = true;
+            order.watch_stream(s);
+        }
+        let queries = dev.calls(Op::QueryStream);
+        order.poll_completions(&mut arena, &mut done, true, me.id());
+        assert_eq!(
+            dev.calls(Op::QueryStream),
+            queries + 1,
+            "one query: the consumer (not `me`, not the 62 idle streams)"
+        );
+        assert_eq!(done.observed(consumer.id()), 1, "its epoch 1 is complete");
+        assert_eq!(
+            order.watched_len(),
+            1,
+            "the consumer is forgotten, `me` kept"
+        );
+        order.poll_completions(&mut arena, &mut done, true, me.id());
+        assert_eq!(
+            dev.calls(Op::QueryStream),
+            queries + 1,
+            "nothing new to ask"
+        );
+        // A stream that allocates is not watched for its spills (its own
+        // allocations reuse them by stream order).
+        let alloc_stream = streams[5];
+        {
+            let e = order.entry(alloc_stream).unwrap();
+            let mut st = lock(&e.state);
+            st.counters.allocs = 1;
+            st.frees_in_epoch = true;
+        }
+        order.watch_stream(alloc_stream);
+        assert_eq!(
+            order.watched_len(),
+            1,
+            "an allocating stream is not watched"
+        );
+        // Without opportunistic reuse what it would learn is of no use.
+        lock(&order.entry(consumer).unwrap().state).frees_in_epoch = true;
+        order.watch_stream(consumer);
+        order.poll_completions(&mut arena, &mut done, false, me.id());
+        assert_eq!(dev.calls(Op::QueryStream), queries + 1);
+        for &s in &streams {
+            dev.synchronize_stream(s).unwrap();
+        }
     }
 
     #[test]

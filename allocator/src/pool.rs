@@ -14,9 +14,7 @@ use crate::ordering::{CachedBlock, EventRecord, Reach, StreamEntry, StreamOrder}
 use crate::pages::Pages;
 use crate::placement::ArenaState;
 use crate::raw::{RawSize, RawTable};
-use crate::registry::CacheHolder;
-#[cfg(not(loom))]
-use crate::registry::PoolRecord;
+use crate::registry::{CacheHolder, PoolRecord};
 use crate::share_state::ShareState;
 use crate::stats::{Counters, PoolStats};
 use crate::sync::{lock, Arc, AtomicBool, AtomicU64, Mutex, Ordering};
@@ -261,17 +259,15 @@ impl<D: Device> MemPool<D> {
             device,
             config,
         });
-        // loom models run one pool alone (and loom's `Arc` cannot become a
-        // trait object): the registry only knows pools outside them.
-        #[cfg(not(loom))]
-        {
-            let holder: Arc<dyn CacheHolder> = inner.clone();
+        // In the process-wide registry (not under loom: see `std_weak`).
+        let holder = crate::sync::std_weak(&inner, |a| -> std::sync::Arc<dyn CacheHolder> { a });
+        if let Some(holder) = holder {
             crate::registry::register(PoolRecord {
                 id,
                 base,
                 size: va_size as u64,
                 device_key: device_key(&inner.device),
-                holder: Arc::downgrade(&holder),
+                holder,
             });
         }
         tracing::debug!(pool = id, base, va_size, page, "pool created");
@@ -343,6 +339,7 @@ impl<D: Device> MemPool<D> {
 
     /// [`alloc_async`](Self::alloc_async); a capturing stream gets graph
     /// memory only when `serve_capture` (the raw-pointer API refuses it).
+    #[inline]
     fn alloc_in(
         &self,
         size: usize,
@@ -374,7 +371,56 @@ impl<D: Device> MemPool<D> {
                 })
             }
         };
-        if inner.capture_check_needed() {
+        let check = inner.capture_check_needed();
+        // Fast path: a same-size block from the stream's own cache, the
+        // entry found in this thread's recent entries.
+        let fast = inner
+            .order
+            .with_recent_entry(stream, |e| inner.alloc_cached(e, stream, size, len, check));
+        let checked = match fast {
+            Some(Ok(Fast::Done(offset))) => {
+                return Ok(self.allocation_at(offset, size, len, stream))
+            }
+            Some(Ok(Fast::Miss)) => true,
+            Some(Ok(Fast::Capturing)) | None => false,
+            Some(Err(e)) => return Err(e),
+        };
+        self.alloc_slow(size, len, stream, serve_capture, check, checked)
+    }
+
+    /// The handle of a pool block at `offset`.
+    #[inline]
+    fn allocation_at(&self, offset: usize, size: usize, len: usize, stream: Stream) -> Allocation {
+        Allocation {
+            ptr: self.inner.base + offset as u64,
+            size,
+            len,
+            stream,
+            pool: self.inner.id,
+            uses: Vec::new(),
+            capture: CaptureTag::Eager,
+        }
+    }
+
+    /// Everything but a hit in the stream's own cache found through this
+    /// thread's recent entries: graph memory for a capturing stream, the
+    /// table lookup, a block another stream freed before an event this
+    /// stream waited on, and the reuse policy's steps. `checked`: the fast
+    /// path already found the stream running its work and its cache
+    /// without a block of this size.
+    #[cold]
+    #[inline(never)]
+    fn alloc_slow(
+        &self,
+        size: usize,
+        len: usize,
+        stream: Stream,
+        serve_capture: bool,
+        check: bool,
+        checked: bool,
+    ) -> Result<Allocation, PoolError> {
+        let inner = &*self.inner;
+        if !checked && check {
             // A capturing stream gets graph memory (see `capture.rs`).
             if let AllocRoute::Graph(id) = crate::capture::alloc_route(&*inner.device, stream)? {
                 if !serve_capture {
@@ -391,57 +437,20 @@ impl<D: Device> MemPool<D> {
                     capture: CaptureTag::Graph { capture: id },
                 });
             }
-        } else {
+        } else if !checked {
             // No capture check, but still no destroyed or foreign stream.
             inner.device.check_stream(stream)?;
         }
-        let alloc_at = |offset: usize| Allocation {
-            ptr: inner.base + offset as u64,
-            size,
-            len,
-            stream,
-            pool: inner.id,
-            uses: Vec::new(),
-            capture: CaptureTag::Eager,
-        };
-        // Fast path: a same-size block from the stream's own cache.
-        let cached = inner
-            .order
-            .with_recent_entry(stream, |e| inner.take_cached(e, stream, size, len));
-        let looked = cached.is_some();
-        if let Some(hit) = cached {
-            if let Some(offset) = hit? {
-                return Ok(alloc_at(offset));
-            }
-        }
-        let offset = self.alloc_slow(size, len, stream, looked)?;
-        Ok(alloc_at(offset))
-    }
-
-    /// Everything but a hit in the stream's own cache found through this
-    /// thread's recent entries: the table lookup, a block another stream
-    /// freed before an event this stream waited on, and the reuse policy's
-    /// steps.
-    #[cold]
-    #[inline(never)]
-    fn alloc_slow(
-        &self,
-        size: usize,
-        len: usize,
-        stream: Stream,
-        looked: bool,
-    ) -> Result<usize, PoolError> {
-        let inner = &*self.inner;
         let entry = inner.order.entry(stream)?;
-        if !looked {
+        if !checked {
             if let Some(offset) = inner.take_cached(&entry, stream, size, len)? {
-                return Ok(offset);
+                return Ok(self.allocation_at(offset, size, len, stream));
             }
         }
         let reuse = inner.reuse();
         if reuse.follow_event_dependencies {
             if let Some(offset) = inner.take_followed(&entry, stream, size, len) {
-                return Ok(offset);
+                return Ok(self.allocation_at(offset, size, len, stream));
             }
         }
         let offset = match crate::policy::acquire(inner.parts(), len, stream, &entry, reuse) {
@@ -462,8 +471,12 @@ impl<D: Device> MemPool<D> {
             .counters
             .on_alloc(&mut lock(&entry.state).counters, size as u64, false);
         inner.claim_headroom(missing);
+        if inner.order.retired_waiting() {
+            // The policy may have seen their last events complete.
+            inner.forget_retired();
+        }
         tracing::trace!(pool = inner.id, size, stream = stream.id(), offset, "alloc");
-        Ok(offset)
+        Ok(self.allocation_at(offset, size, len, stream))
     }
 
     /// Free in stream order: the memory is reused only by work that cannot
@@ -492,7 +505,8 @@ impl<D: Device> MemPool<D> {
     /// pool.free_async(y, s)?;
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn free_async(&self, mut allocation: Allocation, stream: Stream) -> Result<(), FreeError> {
+    #[inline]
+    pub fn free_async(&self, allocation: Allocation, stream: Stream) -> Result<(), FreeError> {
         let inner = &*self.inner;
         let fail = |error, allocation| Err(FreeError { error, allocation });
         if allocation.pool != inner.id {
@@ -515,6 +529,34 @@ impl<D: Device> MemPool<D> {
             };
         }
         let check = inner.capture_check_needed();
+        if allocation.capture == CaptureTag::Eager && allocation.uses.is_empty() {
+            // Fast path: into the stream's own cache, the entry found in
+            // this thread's recent entries.
+            let fast = inner
+                .order
+                .with_recent_entry(stream, |e| inner.free_cached(e, stream, &allocation, check));
+            match fast {
+                Some(Ok(true)) => return Ok(()),
+                Some(Ok(false)) | None => {}
+                Some(Err(e)) => return fail(e, allocation),
+            }
+        }
+        self.free_slow(allocation, stream, check)
+    }
+
+    /// Every free but one of an eager block with no declared uses, on a
+    /// running stream this thread used recently: a capture check that
+    /// refuses, declared uses, exported memory, the table lookup.
+    #[cold]
+    #[inline(never)]
+    fn free_slow(
+        &self,
+        mut allocation: Allocation,
+        stream: Stream,
+        check: bool,
+    ) -> Result<(), FreeError> {
+        let inner = &*self.inner;
+        let fail = |error, allocation| Err(FreeError { error, allocation });
         if check {
             // No pool block is freed inside a capture (see `capture.rs`).
             if let Err(e) = crate::capture::check_eager_free(&*inner.device, stream) {
@@ -590,14 +632,7 @@ impl<D: Device> MemPool<D> {
             }
         };
         if let Some(epoch) = spill_epoch {
-            lock(&inner.arena).arena.give_back(
-                offset,
-                len,
-                Guard::After {
-                    stream: stream.id(),
-                    epoch,
-                },
-            );
+            inner.spill(stream, offset, len, epoch);
         }
         tracing::trace!(
             pool = inner.id,
@@ -731,6 +766,9 @@ impl<D: Device> MemPool<D> {
             }
         }
         inner.settle_orphans()?;
+        if inner.order.retired_waiting() {
+            inner.forget_retired();
+        }
         inner.release_to_threshold()
     }
 
@@ -890,7 +928,11 @@ impl<D: Device> MemPool<D> {
     /// the stream's work; allocating or freeing on it afterwards is an error.
     pub fn retire_stream(&self, stream: Stream) -> Result<(), PoolError> {
         let inner = &*self.inner;
-        let entry = inner.order.entry(stream)?;
+        let entry = match inner.order.entry(stream) {
+            // Retired and already forgotten.
+            Err(PoolError::StreamRetired { .. }) => return Ok(()),
+            r => r?,
+        };
         let (drained, orphaned) = {
             let mut st = lock(&entry.state);
             if st.retired {
@@ -927,9 +969,13 @@ impl<D: Device> MemPool<D> {
                 );
             }
         }
+        inner.order.note_retired(stream);
         if orphaned {
             inner.settle_orphans()?;
         }
+        // This stream, once its last events are seen complete, and those
+        // retired before it that are done by now leave the stream table.
+        inner.forget_retired();
         Ok(())
     }
 }
@@ -1029,10 +1075,19 @@ impl RawSize for Allocation {
 /// assert_ne!(default_pool(&other)?.id(), pool.id());
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
-#[cfg(not(loom))]
 pub fn default_pool<D: Device>(device: &Arc<D>) -> Result<MemPool<D>, PoolError> {
     let key = (device_key(device), std::any::TypeId::of::<D>());
     crate::registry::default_for(key, || MemPool::new(device.clone(), PoolConfig::default()))
+}
+
+/// What the fast path of an allocation found.
+enum Fast {
+    /// A block at this offset.
+    Done(usize),
+    /// The stream runs its work and its cache has no block of the size.
+    Miss,
+    /// The stream is being captured.
+    Capturing,
 }
 
 impl<D: Device> PoolInner<D> {
@@ -1043,6 +1098,82 @@ impl<D: Device> PoolInner<D> {
     #[inline]
     pub(crate) fn capture_check_needed(&self) -> bool {
         self.capture_gate.load(Ordering::Relaxed) != 0
+    }
+
+    /// The fast path of an allocation, on the entry this thread found at
+    /// hand: ask whether the stream runs its work (through the entry's
+    /// probe: the capture query in strict mode, only the liveness flag
+    /// otherwise), then take a block of exactly `len` bytes from its cache.
+    #[inline]
+    fn alloc_cached(
+        &self,
+        entry: &StreamEntry,
+        stream: Stream,
+        size: usize,
+        len: usize,
+        check: bool,
+    ) -> Result<Fast, PoolError> {
+        if !entry.runs(&*self.device, stream, check)? {
+            return Ok(Fast::Capturing);
+        }
+        Ok(match self.take_cached(entry, stream, size, len)? {
+            Some(offset) => Fast::Done(offset),
+            None => Fast::Miss,
+        })
+    }
+
+    /// The fast path of a free of an eager block with no declared uses, on
+    /// the entry this thread found at hand: `Ok(true)` when done; `Ok(false)`
+    /// when the stream is being captured (the slow path says why that is
+    /// refused) or the memory is exported.
+    #[inline]
+    fn free_cached(
+        &self,
+        entry: &StreamEntry,
+        stream: Stream,
+        allocation: &Allocation,
+        check: bool,
+    ) -> Result<bool, PoolError> {
+        if !entry.runs(&*self.device, stream, check)? {
+            return Ok(false);
+        }
+        // Exported: refused while another process maps it; the close is
+        // undone if the free fails below (see share.rs).
+        let closed = self.share.check_free(allocation.ptr)?;
+        let offset = (allocation.ptr - self.base) as usize;
+        let (len, size) = (allocation.len, allocation.size as u64);
+        let spill = match self.stash_free(entry, stream, offset, len, size) {
+            Ok(spill) => spill,
+            Err(e) => {
+                self.share.reopen(closed);
+                return Err(e);
+            }
+        };
+        if let Some(epoch) = spill {
+            self.spill(stream, offset, len, epoch);
+        }
+        tracing::trace!(
+            pool = self.id,
+            size = allocation.size,
+            stream = stream.id(),
+            "free"
+        );
+        Ok(true)
+    }
+
+    /// A free that does not go to the stream's cache goes to the arena;
+    /// other streams' next slow allocation learns when it completes.
+    #[cold]
+    fn spill(&self, stream: Stream, offset: usize, len: usize, epoch: u64) {
+        lock(&self.arena).arena.give_back(
+            offset,
+            len,
+            Guard::After {
+                stream: stream.id(),
+                epoch,
+            },
+        );
+        self.order.watch_stream(stream);
     }
 
     /// Step 0 of an allocation: a block of exactly `len` bytes from the
@@ -1127,8 +1258,12 @@ impl<D: Device> PoolInner<D> {
     /// has room (one block of any size may always stay: a stream that frees
     /// and reallocates 1 GiB would otherwise pay the arena's page
     /// bookkeeping each time; caches join the arena before any growth, so
-    /// this never costs footprint). Returns the epoch to guard the range
-    /// with when it goes to the arena instead.
+    /// this never costs footprint). A stream that has never allocated (a
+    /// consumer that frees what a producer allocated) caches nothing: its
+    /// cache would only be flushed, all of it, by someone else's slow
+    /// allocation, so its frees go to the arena at once, where the
+    /// producer's next allocation can see them complete. Returns the epoch
+    /// to guard the range with when it goes to the arena instead.
     #[inline]
     fn stash_free(
         &self,
@@ -1148,7 +1283,10 @@ impl<D: Device> PoolInner<D> {
         let new_donor = !std::mem::replace(&mut st.donor, true);
         let epoch = st.epoch;
         let limit = self.config.stream_cache_bytes;
-        let spill = if limit > 0 && (st.cached_bytes + len <= limit || st.cached_bytes == 0) {
+        let spill = if limit > 0
+            && st.counters.allocs > 0
+            && (st.cached_bytes + len <= limit || st.cached_bytes == 0)
+        {
             st.cached_bytes += len;
             st.cache.push(len, CachedBlock { offset, epoch });
             None
@@ -1238,10 +1376,17 @@ impl<D: Device> PoolInner<D> {
     /// Finish counting an allocation whose stream lacked `missing` bytes of
     /// headroom (see [`crate::stats::Ledger`]). Called with no stream lock
     /// held (the ledger is locked before stream locks).
+    #[inline]
     pub(crate) fn claim_headroom(&self, missing: u64) {
-        if missing == 0 {
-            return;
+        if missing != 0 {
+            self.claim_headroom_from_ledger(missing);
         }
+    }
+
+    /// [`Self::claim_headroom`] of a stream short of headroom: the one
+    /// pool-wide lock an allocation may take outside the slow path.
+    #[cold]
+    fn claim_headroom_from_ledger(&self, missing: u64) {
         let mut ledger = lock(&self.counters.ledger);
         if ledger.unassigned < missing {
             self.collect_donors(&mut ledger);
@@ -1281,7 +1426,10 @@ impl<D: Device> PoolInner<D> {
     /// The streams' counters summed, `used_current` and `used_high`.
     pub(crate) fn counts(&self) -> (crate::stats::StreamCounters, u64, u64) {
         let ledger = lock(&self.counters.ledger);
-        let mut sum = crate::stats::StreamCounters::default();
+        let mut sum = crate::stats::StreamCounters {
+            headroom: 0,
+            ..ledger.forgotten
+        };
         for (_, e) in self.order.all_streams() {
             let c = lock(&e.state).counters;
             sum.allocs += c.allocs;
@@ -1294,6 +1442,22 @@ impl<D: Device> PoolInner<D> {
             .saturating_sub(ledger.unassigned)
             .saturating_sub(sum.headroom);
         (sum, used, ledger.used_high)
+    }
+
+    /// Drop from the stream table the retired streams nothing needs any
+    /// more, keeping their counts (headroom to the ledger's unassigned
+    /// bytes, the rest summed). Called with no lock held.
+    #[cold]
+    pub(crate) fn forget_retired(&self) {
+        let mut ledger = lock(&self.counters.ledger);
+        let ledger = &mut *ledger;
+        self.order.forget_retired(|st| {
+            let c = std::mem::take(&mut st.counters);
+            ledger.unassigned += c.headroom;
+            ledger.forgotten.allocs += c.allocs;
+            ledger.forgotten.frees += c.frees;
+            ledger.forgotten.cache_hits += c.cache_hits;
+        });
     }
 
     /// Bytes in live allocations now.
@@ -1347,6 +1511,11 @@ impl<D: Device> PoolInner<D> {
                 .observe_completions(arena, done, self.reuse().opportunistic);
         }
         let released = self.pages().trim(&mut st, target)?;
+        drop(st);
+        if self.order.retired_waiting() {
+            // Completions were just observed: retired streams may be done.
+            self.forget_retired();
+        }
         if released > 0 {
             tracing::debug!(pool = self.id, released, target, "trimmed");
         }
@@ -1411,5 +1580,63 @@ impl<D: Device> Drop for PoolInner<D> {
         if let Err(e) = self.device.free_va(self.base, self.va_size) {
             tracing::warn!(error = %e, "freeing the pool's address range failed");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tidepool_sys::{HostConfig, HostDevice};
+
+    /// Retired streams leave the stream table once nothing needs their
+    /// entries (here: after a trim observed their last events complete),
+    /// the pool's counts stay exact, and a forgotten stream is refused as
+    /// retired, not met anew.
+    #[test]
+    fn retired_streams_are_forgotten_and_stay_refused() {
+        crate::sync::model(retired_streams_body);
+    }
+
+    fn retired_streams_body() {
+        let dev = Arc::new(HostDevice::with_config(HostConfig {
+            capacity: 16 << 20,
+            granularity: 2 << 20,
+        }));
+        let pool = MemPool::new(dev.clone(), PoolConfig::default().with_va_size(64 << 20)).unwrap();
+        let order = &pool.inner.order;
+        let keep = dev.create_stream().unwrap();
+        let kept = pool.alloc_async(4096, keep).unwrap();
+        let mut retired = Vec::new();
+        for round in 0..40 {
+            let s = dev.create_stream().unwrap();
+            let a = pool.alloc_async(4096 + 512 * (round % 3), s).unwrap();
+            pool.free_async(a, s).unwrap();
+            pool.retire_stream(s).unwrap();
+            pool.synchronize_stream(keep).unwrap();
+            dev.synchronize_stream(s).unwrap();
+            pool.trim_to(u64::MAX).unwrap();
+            retired.push(s);
+            // This round's stream may wait for the next pass; no more.
+            assert!(
+                order.table_len() <= 3,
+                "round {round}: {}",
+                order.table_len()
+            );
+        }
+        pool.trim_to(u64::MAX).unwrap();
+        pool.retire_stream(keep).unwrap_or(());
+        let stats = pool.stats();
+        assert_eq!((stats.allocs, stats.frees), (41, 40));
+        assert_eq!(stats.used_current, 4096);
+        for s in retired {
+            assert!(matches!(
+                pool.alloc_async(4096, s),
+                Err(PoolError::StreamRetired { .. })
+            ));
+            pool.retire_stream(s).expect("retiring again is a no-op");
+        }
+        let k2 = dev.create_stream().unwrap();
+        pool.free_async(kept, k2).unwrap();
+        assert_eq!(pool.stats().used_current, 0);
     }
 }

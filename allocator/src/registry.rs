@@ -2,20 +2,19 @@
 //! pool, the per-device default pools, and "release your cache" requests
 //! between pools of one device (step 6 of the reuse order).
 //!
-//! This is process-global state, so it uses std's primitives directly and is
-//! compiled out under `cfg(loom)` (loom models run one pool in isolation).
+//! This is process-global state, so it uses std's primitives directly (loom
+//! models run one pool alone: under loom no pool registers, see
+//! `sync::std_weak`).
 
 use tidepool_sys::DevicePtr;
 
 /// What the registry can ask of a pool without knowing its device type
 /// (the pool implements it; the registry sits below the pool).
-#[cfg_attr(loom, allow(dead_code))]
 pub(crate) trait CacheHolder: Send + Sync {
     fn release_cached(&self) -> u64;
 }
 
 /// A pool as the registry knows it.
-#[cfg_attr(loom, allow(dead_code))]
 pub(crate) struct PoolRecord {
     pub id: u64,
     pub base: DevicePtr,
@@ -26,7 +25,6 @@ pub(crate) struct PoolRecord {
     pub holder: std::sync::Weak<dyn CacheHolder>,
 }
 
-#[cfg(not(loom))]
 mod imp {
     use super::*;
     use std::any::{Any, TypeId};
@@ -98,18 +96,5 @@ mod imp {
     }
 }
 
-#[cfg(loom)]
-mod imp {
-    use super::*;
-    pub(crate) fn unregister(_: u64) {}
-    pub(crate) fn owner_of(_: DevicePtr) -> Option<u64> {
-        None
-    }
-    pub(crate) fn release_other_pools(_: usize, _: u64) -> u64 {
-        0
-    }
-}
-
-#[cfg(not(loom))]
 pub(crate) use imp::{default_for, register};
 pub(crate) use imp::{owner_of, release_other_pools, unregister};

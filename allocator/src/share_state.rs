@@ -103,6 +103,7 @@ impl ShareState {
     /// The free hook: close the leases of an exported allocation, or refuse
     /// the free while an import of it is live. Should the free fail after
     /// all, [`ShareState::reopen`] undoes the close.
+    #[inline]
     pub(crate) fn check_free(&self, ptr: DevicePtr) -> Result<Closed, PoolError> {
         // An export of this allocation happened before its free (the
         // caller's own order: exporting needs the allocation), so its
@@ -110,6 +111,12 @@ impl ShareState {
         if self.exported.load(Ordering::Acquire) == 0 {
             return Ok(Closed(None));
         }
+        self.check_free_exported(ptr)
+    }
+
+    /// [`ShareState::check_free`] while something is exported.
+    #[cold]
+    fn check_free_exported(&self, ptr: DevicePtr) -> Result<Closed, PoolError> {
         let mut exports = lock(&self.exports);
         let Some(Exported { leases, .. }) = exports.get(&ptr) else {
             return Ok(Closed(None));

@@ -104,6 +104,9 @@ pub(crate) struct Ledger {
     pub unassigned: u64,
     /// Ids of streams that may hold headroom.
     pub donors: Vec<u64>,
+    /// The counts of streams retired and dropped from the stream table
+    /// (their headroom went to `unassigned`).
+    pub forgotten: StreamCounters,
 }
 
 /// Pool-wide counters, updated outside the arena lock.
@@ -122,6 +125,7 @@ impl Counters {
     /// of headroom it lacked, to be claimed from the ledger (by
     /// `PoolInner::claim_headroom`) once the stream's lock is released.
     #[must_use]
+    #[inline]
     pub fn on_alloc(&self, local: &mut StreamCounters, size: u64, cache_hit: bool) -> u64 {
         local.allocs += 1;
         local.cache_hits += u64::from(cache_hit);
@@ -130,6 +134,7 @@ impl Counters {
         size - spent
     }
 
+    #[inline]
     pub fn on_free(&self, local: &mut StreamCounters, size: u64) {
         local.frees += 1;
         local.headroom += size;

@@ -181,6 +181,12 @@ impl Device for TwoDevices {
     fn is_capturing(&self, stream: Stream) -> SysResult<bool> {
         self.inner.is_capturing(stream)
     }
+    fn stream_probe(
+        &self,
+        stream: Stream,
+    ) -> SysResult<Option<std::sync::Arc<dyn tidepool_sys::StreamProbe>>> {
+        self.inner.stream_probe(stream)
+    }
     fn create_event(&self) -> SysResult<Event> {
         self.inner.create_event()
     }

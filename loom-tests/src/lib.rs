@@ -81,9 +81,30 @@ mod tests {
     }
 
     #[test]
+    fn watch_free_vs_poll_std() {
+        for _ in 0..20 {
+            scenarios::watch_free_vs_poll();
+        }
+    }
+
+    #[test]
     fn announced_capture_gate_std() {
         for _ in 0..20 {
             scenarios::announced_capture_gate();
+        }
+    }
+
+    #[test]
+    fn lean_lock_excludes_std() {
+        for _ in 0..20 {
+            scenarios::lean_lock_excludes();
+        }
+    }
+
+    #[test]
+    fn forget_retired_vs_stats_std() {
+        for _ in 0..20 {
+            scenarios::forget_retired_vs_stats();
         }
     }
 }

@@ -402,3 +402,145 @@ pub fn announced_capture_gate() {
     dev.complete_all();
     teardown(dev, pool);
 }
+
+/// (j) The per-stream lock alone ([`tidepool_sys::sync::LeanMutex`]: one
+/// compare-and-swap to take, one store to release): two threads each
+/// take it twice and increment the plain (non-atomic) value behind it
+/// (read, then write, with a yield point in between). Under loom the value
+/// sits in loom's cell, which fails the model if two threads ever touch it
+/// without the lock ordering them; the end checks no increment was lost.
+/// Returns whether the second thread got the lock first at least once
+/// (both orders must be explored).
+pub fn lean_lock_excludes() -> bool {
+    use tidepool_sys::sync::LeanMutex;
+    let m = Arc::new(LeanMutex::new(0u32));
+    let m2 = m.clone();
+    let t = thread::spawn(move || {
+        let mut first = false;
+        for _ in 0..2 {
+            let mut g = m2.lock();
+            first |= *g == 0;
+            let v = *g;
+            thread::yield_now();
+            *g = v + 1;
+        }
+        first
+    });
+    for _ in 0..2 {
+        let mut g = m.lock();
+        let v = *g;
+        thread::yield_now();
+        *g = v + 1;
+    }
+    let second_first = t.join().expect("thread");
+    let g = m.lock();
+    assert_eq!(*g, 4, "an increment under the lock was lost");
+    second_first
+}
+
+/// (k) Forgetting a retired stream while another thread reads the
+/// statistics. Stream S allocated and freed 1000 bytes. Thread 1 retires
+/// S (an event covers its free), lets the device finish, and trims, which
+/// observes the event and drops S from the stream table, its counts moving
+/// to the pool's ledger. Thread 2 allocates and frees on stream T, then
+/// reads the statistics twice. No reading may lose S's counts: `allocs`
+/// never goes backwards and `used_current` never shows bytes nobody holds.
+/// Catches a forget that takes a stream's counts out of the table and puts
+/// them in the ledger in two steps (a reader in between sees them in
+/// neither place). At the end S must be forgotten: even recording an event
+/// on it is refused (a retired stream still in the table would take it).
+pub fn forget_retired_vs_stats() {
+    let (dev, pool) = setup(1024);
+    let s = dev.create_stream().unwrap();
+    let t = dev.create_stream().unwrap();
+    let x = alloc(&dev, &pool, 1000, s);
+    free(&dev, &pool, x, s);
+    let t1 = {
+        let (dev, pool) = (dev.clone(), pool.clone());
+        thread::spawn(move || {
+            pool.retire_stream(s).unwrap();
+            dev.complete_all();
+            pool.trim_to(u64::MAX).unwrap();
+        })
+    };
+    let t2 = {
+        let (dev, pool) = (dev.clone(), pool.clone());
+        thread::spawn(move || {
+            let y = alloc(&dev, &pool, 1000, t);
+            free(&dev, &pool, y, t);
+            let first = pool.stats();
+            let second = pool.stats();
+            for st in [first, second] {
+                assert!(st.allocs >= 2, "S's allocation lost: {st:?}");
+                assert_eq!(st.used_current, 0, "{st:?}");
+            }
+            assert!(second.allocs >= first.allocs);
+        })
+    };
+    t1.join().unwrap();
+    t2.join().unwrap();
+    let st = pool.stats();
+    assert_eq!((st.allocs, st.frees, st.used_current), (2, 2, 0), "{st:?}");
+    // A thread that never used S (so S's entry is not among its recent
+    // entries) finds it only in the table.
+    let gone = {
+        let pool = pool.clone();
+        thread::spawn(move || matches!(pool.record_event(s), Err(PoolError::StreamRetired { .. })))
+            .join()
+            .unwrap()
+    };
+    assert!(gone, "S was not forgotten");
+    dev.complete_all();
+    teardown(dev, pool);
+}
+
+/// (l) The watch list that slow allocations poll instead of every stream.
+/// Producer P allocated x (one page) and consumer C, ordered after P
+/// through a pool event, uses it (busy: its work completes only when the
+/// thread says so). C has never allocated, so its free goes straight to
+/// the arena and C is watched. Thread 1 frees x on C, then lets C's work
+/// complete; thread 2 allocates a page on P meanwhile, which polls the
+/// watched streams. The device checks that P never gets x while C's work
+/// on it may still run (a poll that took C's epoch as complete without
+/// asking, or asked before the free, is caught there). Afterwards P
+/// allocates again: x's free is known complete by then, so the pool never
+/// needs a third page. Returns whether thread 2's allocation reused x.
+pub fn watch_free_vs_poll() -> bool {
+    let (dev, pool) = setup(1 << 20);
+    let p = dev.create_stream().unwrap();
+    let c = dev.create_stream().unwrap();
+    let x = alloc(&dev, &pool, GRANULARITY, p);
+    let x_ptr = x.ptr();
+    let ev = pool.record_event(p).unwrap();
+    pool.wait_event(c, &ev).unwrap();
+    drop(ev);
+    dev.set_busy(c, true);
+    let t1 = {
+        let (dev, pool) = (dev.clone(), pool.clone());
+        thread::spawn(move || {
+            dev.unclaim(x.ptr(), p);
+            dev.claim(x.ptr(), x.size(), c);
+            dev.launch(c); // the consumer's kernel that reads x
+            free(&dev, &pool, x, c);
+            dev.set_busy(c, false);
+        })
+    };
+    let t2 = {
+        let (dev, pool) = (dev.clone(), pool.clone());
+        thread::spawn(move || alloc(&dev, &pool, GRANULARITY, p))
+    };
+    t1.join().unwrap();
+    let y = t2.join().unwrap();
+    let reused = y.ptr() == x_ptr;
+    let z = alloc(&dev, &pool, GRANULARITY, p);
+    assert!(
+        pool.stats().growths <= 2,
+        "x's completed free was not reused: {:?}",
+        pool.stats()
+    );
+    free(&dev, &pool, y, p);
+    free(&dev, &pool, z, p);
+    dev.complete_all();
+    teardown(dev, pool);
+    reused
+}

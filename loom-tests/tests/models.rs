@@ -104,3 +104,34 @@ fn h_headroom_donors() {
 fn i_announced_capture_gate() {
     loom::model(scenarios::announced_capture_gate);
 }
+
+#[test]
+fn j_lean_lock_excludes() {
+    let seen = std::sync::Arc::new(Seen::default());
+    let s = seen.clone();
+    loom::model(move || s.record(scenarios::lean_lock_excludes()));
+    let (runs, second_first) = seen.get();
+    eprintln!("lean_lock_excludes: {runs} executions, {second_first} where the spawned thread locked first");
+    assert!(
+        second_first > 0 && second_first < runs,
+        "both orders must be explored"
+    );
+}
+
+#[test]
+fn k_forget_retired_vs_stats() {
+    loom::model(scenarios::forget_retired_vs_stats);
+}
+
+#[test]
+fn l_watch_free_vs_poll() {
+    let reused = std::sync::Arc::new(AtomicUsize::new(0));
+    let r = reused.clone();
+    loom::model(move || {
+        if scenarios::watch_free_vs_poll() {
+            r.fetch_add(1, Ordering::Relaxed);
+        }
+    });
+    // Some interleaving lets the poll see the free complete.
+    assert!(reused.load(Ordering::Relaxed) > 0);
+}

@@ -8,6 +8,7 @@
 
 use crate::error::{SysError, SysResult};
 use std::os::fd::OwnedFd;
+use std::sync::Arc;
 
 /// A device virtual address.
 pub type DevicePtr = u64;
@@ -183,6 +184,25 @@ pub struct PhysicalOptions {
 /// A host function enqueued on a stream.
 pub type HostTask = Box<dyn FnOnce() + Send + 'static>;
 
+/// One stream of a device, held by an allocator for as long as it keeps
+/// state for that stream ([`Device::stream_probe`]). Each call answers
+/// what the device's call of the same name answers for that stream, with
+/// no table lookup: the CUDA backend's `is_capturing` is one raw
+/// `cuStreamIsCapturing` on the handle kept here, the host backend's one
+/// atomic load; `check` is one atomic load on both. Once the stream is
+/// destroyed both report [`SysError::InvalidHandle`]. Destroying a stream
+/// while another thread is still issuing work on it is a race the caller
+/// must not run (as with the driver itself): a call that overlaps the
+/// destroy may still see the stream as live.
+///
+/// [`SysError::InvalidHandle`]: crate::SysError::InvalidHandle
+pub trait StreamProbe: Send + Sync {
+    /// [`Device::is_capturing`] for this stream.
+    fn is_capturing(&self) -> SysResult<bool>;
+    /// [`Device::check_stream`] for this stream: `Ok` until it is destroyed.
+    fn check(&self) -> SysResult<()>;
+}
+
 /// The device boundary. Implemented by the CUDA backend, the host backend
 /// and the fault-injecting wrapper. All methods are thread-safe.
 ///
@@ -293,6 +313,18 @@ pub trait Device: Send + Sync + 'static {
     fn query_stream(&self, stream: Stream) -> SysResult<bool>;
     /// Whether the stream is being captured into a graph.
     fn is_capturing(&self, stream: Stream) -> SysResult<bool>;
+    /// A handle on `stream` for the two questions an allocator asks on
+    /// every allocation and free ([`StreamProbe`]), answered with no table
+    /// lookup and no reference counting: the caller keeps the handle for
+    /// the stream's life. `Ok(None)` (the default) when the backend has
+    /// none; the caller then asks [`Device::is_capturing`] and
+    /// [`Device::check_stream`]. A wrapper that watches or fails those two
+    /// calls must keep the default (a probe would go around it); one that
+    /// only forwards them forwards this too. An error for a stream that is
+    /// not a live stream of this instance, as [`Device::check_stream`].
+    fn stream_probe(&self, stream: Stream) -> SysResult<Option<Arc<dyn StreamProbe>>> {
+        self.check_stream(stream).map(|()| None)
+    }
     /// Check that `stream` names a live stream of this device instance:
     /// an error for a destroyed stream ([`SysError::InvalidHandle`]) and
     /// for a stream of another instance ([`SysError::ForeignHandle`]).

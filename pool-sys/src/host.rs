@@ -33,7 +33,7 @@
 
 use crate::device::{
     Access, AccessDesc, CaptureMode, CaptureStatus, Device, DevicePtr, Event, Graph, GraphExec,
-    GraphOptions, HostTask, MemInfo, Physical, PhysicalOptions, Stream,
+    GraphOptions, HostTask, MemInfo, Physical, PhysicalOptions, Stream, StreamProbe,
 };
 use crate::error::{Op, SysError, SysResult};
 use crate::validate::{check_granular, check_size, invalid, missing_stream, stream_id};
@@ -364,6 +364,39 @@ struct StreamState {
 impl crate::recent::Retirable for StreamState {
     fn retired(&self) -> bool {
         self.destroyed.load(Ordering::Acquire)
+    }
+}
+
+/// The host backend's [`StreamProbe`]: the stream's state itself (the
+/// worker exits on destroy whoever still holds the state, so holding it
+/// keeps nothing running).
+struct HostProbe {
+    state: Arc<StreamState>,
+    owner: u64,
+}
+
+impl HostProbe {
+    #[inline]
+    fn live(&self, op: Op) -> SysResult<&StreamState> {
+        if self.state.destroyed.load(Ordering::Acquire) {
+            return Err(missing_stream(op, self.owner, self.state.id));
+        }
+        Ok(&self.state)
+    }
+}
+
+impl StreamProbe for HostProbe {
+    #[inline]
+    fn is_capturing(&self) -> SysResult<bool> {
+        Ok(self
+            .live(Op::IsCapturing)?
+            .capture_id
+            .load(Ordering::Acquire)
+            != 0)
+    }
+    #[inline]
+    fn check(&self) -> SysResult<()> {
+        self.live(Op::CheckStream).map(|_| ())
     }
 }
 
@@ -1186,6 +1219,14 @@ impl Device for HostDevice {
 
     fn check_stream(&self, stream: Stream) -> SysResult<()> {
         self.resolve(Op::CheckStream, stream).map(|_| ())
+    }
+
+    fn stream_probe(&self, stream: Stream) -> SysResult<Option<Arc<dyn StreamProbe>>> {
+        let state = self.stream(Op::CheckStream, stream)?;
+        Ok(Some(Arc::new(HostProbe {
+            state,
+            owner: self.owner,
+        })))
     }
 
     fn create_event(&self) -> SysResult<Event> {

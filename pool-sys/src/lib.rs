@@ -17,11 +17,13 @@ pub mod fault;
 pub mod host;
 pub mod ipc;
 mod recent;
+pub mod sync;
 mod validate;
 
 pub use device::{
     Access, AccessDesc, CaptureMode, CaptureStatus, Device, DevicePtr, Event, Graph, GraphExec,
     GraphOptions, HostTask, IpcEvent, IpcEventHandle, MemInfo, Physical, PhysicalOptions, Stream,
+    StreamProbe,
 };
 pub use error::{Op, SysError, SysResult};
 pub use fault::FaultInjector;

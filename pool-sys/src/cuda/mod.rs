@@ -25,7 +25,7 @@ pub use module::{CudaFunction, CudaModule, KernelArg};
 
 use crate::device::{
     Access, AccessDesc, CaptureMode, CaptureStatus, Device, DevicePtr, Event, Graph, GraphExec,
-    GraphOptions, HostTask, MemInfo, Physical, PhysicalOptions, Stream,
+    GraphOptions, HostTask, MemInfo, Physical, PhysicalOptions, Stream, StreamProbe,
 };
 use crate::error::{Op, SysError, SysResult};
 use crate::validate::{
@@ -72,14 +72,87 @@ struct StreamObj {
     raw: sys::CUstream,
     owned: bool,
     ctx: Arc<Ctx>,
-    /// Set by `destroy_stream` before the table forgets the object, so that
-    /// a thread's cached reference (see `crate::recent`) stops resolving.
+    /// The handle an allocator keeps ([`Device::stream_probe`]); its
+    /// `destroyed` flag is set by `destroy_stream` before the table forgets
+    /// the object, so that a thread's cached reference (see
+    /// `crate::recent`) and every probe stop resolving.
+    probe: Arc<CudaProbe>,
+}
+
+/// The CUDA backend's [`StreamProbe`]: the raw handle, its context and a
+/// destroyed flag, and no reference to the stream object, so that holding
+/// it does not delay the driver stream's destruction.
+struct CudaProbe {
+    raw: sys::CUstream,
+    ctx: Arc<Ctx>,
     destroyed: AtomicBool,
+    instance: u64,
+    id: u64,
+}
+
+// SAFETY: a CUstream is a driver handle usable from any thread.
+unsafe impl Send for CudaProbe {}
+// SAFETY: as above; only `destroyed` changes, and it is atomic.
+unsafe impl Sync for CudaProbe {}
+
+impl StreamProbe for CudaProbe {
+    #[inline]
+    fn is_capturing(&self) -> SysResult<bool> {
+        let op = Op::IsCapturing;
+        if self.destroyed.load(Ordering::Acquire) {
+            return Err(missing_stream(op, self.instance, self.id));
+        }
+        // The stream was live just now; a destroy racing with this call is
+        // the caller's race (see `StreamProbe`).
+        ask_is_capturing(&self.ctx, self.raw, op)
+    }
+    #[inline]
+    fn check(&self) -> SysResult<()> {
+        if self.destroyed.load(Ordering::Acquire) {
+            return Err(missing_stream(Op::CheckStream, self.instance, self.id));
+        }
+        Ok(())
+    }
+}
+
+/// `cuStreamIsCapturing` on `raw`, which must be a live stream of `ctx`'s
+/// context (or null, the legacy stream). A created stream names its
+/// context, so the context is bound only for the legacy stream, or when
+/// the driver asks for one.
+#[inline]
+fn ask_is_capturing(ctx: &Ctx, raw: sys::CUstream, op: Op) -> SysResult<bool> {
+    let ask = |raw: sys::CUstream| {
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: the caller passes a live stream; valid out pointer.
+        let r = unsafe { sys::cuStreamIsCapturing(raw, &mut status) };
+        (r, status)
+    };
+    let (mut r, mut status) = if raw.is_null() {
+        (
+            sys::CUresult::CUDA_ERROR_INVALID_CONTEXT,
+            sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE,
+        )
+    } else {
+        ask(raw)
+    };
+    if r == sys::CUresult::CUDA_ERROR_INVALID_CONTEXT {
+        ctx.bind(op)?;
+        (r, status) = ask(raw);
+    }
+    match r {
+        sys::CUresult::CUDA_SUCCESS => {
+            Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+        }
+        // Asking about the legacy stream while another stream captures in
+        // global mode: touching it would break that capture.
+        sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT => Ok(true),
+        r => Err(driver_error(op, r)),
+    }
 }
 
 impl crate::recent::Retirable for StreamObj {
     fn retired(&self) -> bool {
-        self.destroyed.load(Ordering::Acquire)
+        self.probe.destroyed.load(Ordering::Acquire)
     }
 }
 
@@ -373,7 +446,13 @@ impl CudaDevice {
                 raw: std::ptr::null_mut(),
                 owned: false,
                 ctx: ctx.clone(),
-                destroyed: AtomicBool::new(false),
+                probe: Arc::new(CudaProbe {
+                    raw: std::ptr::null_mut(),
+                    ctx: ctx.clone(),
+                    destroyed: AtomicBool::new(false),
+                    instance,
+                    id: stream_id(instance, DEFAULT_STREAM_ID),
+                }),
             }),
         );
         tracing::debug!(ordinal, granularity, "tidepool cuda: device opened");
@@ -464,7 +543,13 @@ impl CudaDevice {
             raw,
             owned,
             ctx: self.inner.ctx.clone(),
-            destroyed: AtomicBool::new(false),
+            probe: Arc::new(CudaProbe {
+                raw,
+                ctx: self.inner.ctx.clone(),
+                destroyed: AtomicBool::new(false),
+                instance: self.inner.instance,
+                id,
+            }),
         });
         self.inner
             .streams
@@ -798,7 +883,7 @@ impl Device for CudaDevice {
         }
         let obj = remove(&self.inner.streams, op, "stream", stream.0)
             .map_err(|_| missing_stream(op, self.inner.instance, stream.0))?;
-        obj.destroyed.store(true, Ordering::Release);
+        obj.probe.destroyed.store(true, Ordering::Release);
         // Dropped here, or by the last in-flight user (RAII destroys it).
         drop(obj);
         Ok(())
@@ -843,44 +928,20 @@ impl Device for CudaDevice {
     }
 
     fn is_capturing(&self, stream: Stream) -> SysResult<bool> {
-        // Called on every allocation and free. A created stream names its
-        // context, so the context is bound only for the legacy NULL stream,
-        // or when the driver asks for one.
+        // The stream object is held during the call (with_stream).
         let op = Op::IsCapturing;
-        let ask = |raw: sys::CUstream| {
-            let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-            // SAFETY: the stream is live (with_stream); valid out pointer.
-            let r = unsafe { sys::cuStreamIsCapturing(raw, &mut status) };
-            (r, status)
-        };
-        self.with_stream(op, stream, |raw| {
-            let (mut r, mut status) = if raw.is_null() {
-                (
-                    sys::CUresult::CUDA_ERROR_INVALID_CONTEXT,
-                    sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE,
-                )
-            } else {
-                ask(raw)
-            };
-            if r == sys::CUresult::CUDA_ERROR_INVALID_CONTEXT {
-                self.bind(op)?;
-                (r, status) = ask(raw);
-            }
-            match r {
-                sys::CUresult::CUDA_SUCCESS => {
-                    Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
-                }
-                // Asking about the legacy stream while another stream captures
-                // in global mode: touching it would break that capture.
-                sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT => Ok(true),
-                r => Err(driver_error(op, r)),
-            }
-        })
+        self.with_stream(op, stream, |raw| ask_is_capturing(&self.inner.ctx, raw, op))
     }
 
     fn check_stream(&self, stream: Stream) -> SysResult<()> {
         // A table lookup (through this thread's cache): no driver call.
         self.with_stream(Op::CheckStream, stream, |_| Ok(()))
+    }
+
+    fn stream_probe(&self, stream: Stream) -> SysResult<Option<Arc<dyn StreamProbe>>> {
+        let obj = self.stream_obj(Op::CheckStream, stream)?;
+        let probe: Arc<dyn StreamProbe> = obj.probe.clone();
+        Ok(Some(probe))
     }
 
     fn create_event(&self) -> SysResult<Event> {
