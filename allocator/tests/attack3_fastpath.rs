@@ -32,8 +32,20 @@ fn exact(pool: &MemPool<HostDevice>, what: &str) {
 /// fast path: allocating on it is a typed error, not a block.
 #[test]
 fn a_destroyed_stream_is_refused_on_the_warm_fast_path() {
+    destroyed_stream(false);
+}
+
+/// The same in announced capture mode, where the fast path checks the
+/// stream with one load of its destroyed flag.
+#[test]
+fn a_destroyed_stream_is_refused_on_the_warm_fast_path_in_announced_mode() {
+    destroyed_stream(true);
+}
+
+fn destroyed_stream(announced: bool) {
     let dev = Arc::new(host());
     let pool = pool_on(&dev);
+    pool.set_announced_captures(announced);
     let s = dev.create_stream().unwrap();
     let p = dev.create_stream().unwrap();
     for _ in 0..50 {
@@ -70,9 +82,19 @@ fn a_destroyed_stream_is_refused_on_the_warm_fast_path() {
 /// thread's fast path is warm on a stream of the same id range.
 #[test]
 fn a_stream_of_another_device_is_refused_every_time() {
+    foreign_stream(false);
+}
+
+#[test]
+fn a_stream_of_another_device_is_refused_every_time_in_announced_mode() {
+    foreign_stream(true);
+}
+
+fn foreign_stream(announced: bool) {
     let dev = Arc::new(host());
     let other = host();
     let pool = pool_on(&dev);
+    pool.set_announced_captures(announced);
     let s = dev.create_stream().unwrap();
     let foreign = other.create_stream().unwrap();
     for i in 0..5 {
@@ -284,6 +306,7 @@ fn threads_cycling_through_more_streams_than_the_recent_table() {
             let (pool, ss, barrier, dev) = (pool.clone(), ss.clone(), barrier.clone(), dev.clone());
             std::thread::spawn(move || {
                 let mine = dev.create_stream().unwrap();
+                let mut served = 0u64;
                 for r in 0..rounds {
                     if r == rounds / 2 {
                         // Every thread has used every stream: retire every
@@ -307,6 +330,7 @@ fn threads_cycling_through_more_streams_than_the_recent_table() {
                                     "thread {t} round {r}: retired stream {j2} served"
                                 );
                                 pool.free_async(a, s2).unwrap();
+                                served += 1;
                             }
                             Err(PoolError::StreamRetired { .. }) => {
                                 assert!(retired, "thread {t} round {r}: stream {j2} refused");
@@ -317,14 +341,83 @@ fn threads_cycling_through_more_streams_than_the_recent_table() {
                         // A stream of this thread's own, between them.
                         let b = pool.alloc_async(700, mine).unwrap();
                         pool.free_async(b, mine).unwrap();
+                        served += 1;
                     }
                 }
+                served
             })
         })
         .collect();
-    for w in workers {
-        w.join().unwrap();
-    }
+    let served: u64 = workers.into_iter().map(|w| w.join().unwrap()).sum();
     pool.synchronize().unwrap();
+    pool.trim_to(0).unwrap();
     exact(&pool, "cycling");
+    assert_eq!(
+        pool.stats().allocs,
+        served,
+        "allocations counted, with retired streams forgotten"
+    );
+}
+
+/// A block used on another stream (declared with `record_use`), whose use
+/// stream is then retired (and perhaps destroyed, and forgotten by the
+/// pool after a synchronisation and a trim): the block can still be freed
+/// on its own stream, and the pool ends with nothing in use.
+fn free_after_the_use_stream_is_retired(destroy: bool, forget: bool) {
+    let dev = Arc::new(host());
+    let pool = pool_on(&dev);
+    let p = dev.create_stream().unwrap();
+    let u = dev.create_stream().unwrap();
+    let mut a = pool.alloc_async(4096, p).unwrap();
+    pool.record_use(&mut a, u);
+    // Some traffic of the use stream's own, so it has an entry with frees.
+    let b = pool.alloc_async(512, u).unwrap();
+    pool.free_async(b, u).unwrap();
+    pool.retire_stream(u).unwrap();
+    if destroy {
+        dev.destroy_stream(u).unwrap();
+    }
+    if forget {
+        pool.synchronize().unwrap();
+        pool.trim_to(0).unwrap();
+    }
+    let mut a = Some(a);
+    let mut errors = Vec::new();
+    for _ in 0..3 {
+        match pool.free_async(a.take().unwrap(), p) {
+            Ok(()) => break,
+            Err(e) => {
+                errors.push(e.error.to_string());
+                a = Some(e.allocation);
+            }
+        }
+    }
+    let stuck = a.is_some();
+    std::mem::forget(a);
+    pool.synchronize().unwrap();
+    assert!(
+        !stuck,
+        "destroy {destroy}, forget {forget}: the block can never be freed: {errors:?}"
+    );
+    exact(&pool, "use stream retired");
+}
+
+#[test]
+fn a_block_used_on_a_retired_stream_can_be_freed() {
+    free_after_the_use_stream_is_retired(false, false);
+}
+
+#[test]
+fn a_block_used_on_a_retired_and_destroyed_stream_can_be_freed() {
+    free_after_the_use_stream_is_retired(true, false);
+}
+
+#[test]
+fn a_block_used_on_a_retired_and_forgotten_stream_can_be_freed() {
+    free_after_the_use_stream_is_retired(false, true);
+}
+
+#[test]
+fn a_block_used_on_a_retired_destroyed_and_forgotten_stream_can_be_freed() {
+    free_after_the_use_stream_is_retired(true, true);
 }
