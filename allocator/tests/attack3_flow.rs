@@ -260,3 +260,80 @@ fn a_retired_consumer_keeps_its_pending_block() {
 fn hundreds_of_producers_with_few_allocations_each() {
     producer_consumer(300, 100, 1500, true, 4);
 }
+
+/// Producers and consumers on threads of their own: each producer thread
+/// allocates on its stream, fills the block's ends with a tag, records an
+/// event and hands block, event and tag to a consumer thread, which makes
+/// its stream wait, verifies and frees there (consumer streams never
+/// allocate). Each consumer holds its stream busy over some stretches of
+/// blocks, so its frees stay pending while the producers' slow paths poll
+/// the watched consumers. Every reuse switch is on; a block handed out
+/// before its consumer's verify ran shows up as a mismatch.
+#[test]
+fn threaded_producers_and_consumers_with_held_consumers() {
+    use std::sync::mpsc::{sync_channel, SyncSender};
+    let b = Arc::new(Bench::new(PoolConfig::default().with_va_size(4 << 30)));
+    let producers = 3;
+    let consumers = 4;
+    let per_producer = 1200u32;
+    let ps = streams(&*b.dev, producers);
+    let cs = streams(&*b.dev, consumers);
+    type Item = (Allocation, tidepool::PoolEvent, u32);
+    let mut txs: Vec<SyncSender<Item>> = Vec::new();
+    let mut handles = Vec::new();
+    for (ci, &c) in cs.iter().enumerate() {
+        let (tx, rx) = sync_channel::<Item>(4);
+        txs.push(tx);
+        let b = b.clone();
+        handles.push(std::thread::spawn(move || {
+            let mut n = 0u64;
+            let mut hold: Option<Blocker> = None;
+            while let Ok((a, ev, tag)) = rx.recv() {
+                // Hold for 6 blocks out of every 16 (counts, not time).
+                match n % 16 {
+                    3 => hold = Some(Blocker::on(&*b.dev, c)),
+                    9 => drop(hold.take()),
+                    _ => {}
+                }
+                b.pool.wait_event(c, &ev).unwrap();
+                for (at, len) in ends(&a) {
+                    b.k.verify_tag(c, at, len, tag).unwrap();
+                }
+                b.pool.free_async(a, c).unwrap();
+                n += 1;
+            }
+            drop(hold);
+            let _ = ci;
+        }));
+    }
+    let sizes = [512usize, 4096, 60_000, 300_000, 1 << 20];
+    let mut prod = Vec::new();
+    for (pi, &p) in ps.iter().enumerate() {
+        let b = b.clone();
+        let txs = txs.clone();
+        prod.push(std::thread::spawn(move || {
+            let mut rng = XorShift64::new(100 + pi as u64);
+            for i in 0..per_producer {
+                let tag = (pi as u32) << 24 | i;
+                let a = b
+                    .produce(p, sizes[rng.index(sizes.len())], tag)
+                    .unwrap_or_else(|e| panic!("producer {pi} block {i}: {e}"));
+                let ev = b.pool.record_event(p).unwrap();
+                txs[rng.index(txs.len())].send((a, ev, tag)).unwrap();
+            }
+        }));
+    }
+    drop(txs);
+    for h in prod {
+        h.join().unwrap();
+    }
+    for h in handles {
+        h.join().unwrap();
+    }
+    let b = Arc::try_unwrap(b).ok().expect("sole owner");
+    assert_eq!(
+        b.pool.stats().allocs,
+        producers as u64 * per_producer as u64
+    );
+    b.finish();
+}
