@@ -337,3 +337,75 @@ fn threaded_producers_and_consumers_with_held_consumers() {
     );
     b.finish();
 }
+
+/// Event order around a consumer's free (the consumer never allocates, so
+/// its free goes straight to the arena): a producer that waited only on an
+/// event recorded on the consumer *before* the free, or on a chain that
+/// left the consumer before the free, is not ordered after it and must not
+/// get the block while the consumer is held; a producer that waited on an
+/// event recorded after the free may, and its fill then runs after the
+/// consumer's verify.
+#[test]
+fn only_events_recorded_after_a_consumers_free_order_a_producer_after_it() {
+    let b = Bench::new(
+        PoolConfig::default()
+            .with_va_size(4 << 30)
+            .with_reuse(no_waits()),
+    );
+    let ss = streams(&*b.dev, 4);
+    let (p, c, d, q) = (ss[0], ss[1], ss[2], ss[3]);
+    let size = 64 << 10;
+    // Warm the producers so the block's size class exists.
+    for s in [p, q] {
+        let w = b.produce(s, size, 1).unwrap();
+        for (at, n) in ends(&w) {
+            b.k.verify_tag(s, at, n, 1).unwrap();
+        }
+        b.pool.free_async(w, s).unwrap();
+    }
+    b.pool.synchronize().unwrap();
+    let mut hold = Blocker::on(&*b.dev, c);
+    // The block, made on p, used and freed on c (held).
+    let x = b.produce(p, size, 2).unwrap();
+    let pending = (x.ptr(), x.size());
+    let ev_p = b.pool.record_event(p).unwrap();
+    b.pool.wait_event(c, &ev_p).unwrap();
+    let before = b.pool.record_event(c).unwrap();
+    // d leaves c before the free: a chain that does not cover it.
+    b.pool.wait_event(d, &before).unwrap();
+    let via_d = b.pool.record_event(d).unwrap();
+    for (at, n) in ends(&x) {
+        b.k.verify_tag(c, at, n, 2).unwrap();
+    }
+    b.pool.free_async(x, c).unwrap();
+    b.pool.wait_event(p, &before).unwrap();
+    b.pool.wait_event(q, &via_d).unwrap();
+    let mut got = Vec::new();
+    for i in 0..20u32 {
+        for (name, s) in [("p", p), ("q", q)] {
+            let y = b.produce(s, size, 10 + i).unwrap();
+            assert!(
+                !overlaps((y.ptr(), y.size()), pending),
+                "{name} (waited only on events from before the free) got the consumer's \
+                 pending block"
+            );
+            got.push((y, s, 10 + i));
+        }
+    }
+    // After an event recorded after the free, reuse is legal (and the
+    // fill is ordered after the held verify).
+    let after = b.pool.record_event(c).unwrap();
+    b.pool.wait_event(p, &after).unwrap();
+    for i in 0..4u32 {
+        let y = b.produce(p, size, 50 + i).unwrap();
+        got.push((y, p, 50 + i));
+    }
+    hold.release();
+    for (y, s, t) in got {
+        for (at, n) in ends(&y) {
+            b.k.verify_tag(s, at, n, t).unwrap();
+        }
+        b.pool.free_async(y, s).unwrap();
+    }
+    b.finish();
+}
