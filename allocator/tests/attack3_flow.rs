@@ -133,6 +133,17 @@ fn producer_consumer(producers: usize, consumers: usize, ops: usize, strict: boo
             }
             continue;
         }
+        if strict && rng.percent(3) {
+            // Trims and producer synchronisations while consumers' frees
+            // are watched and pending (a producer never waits on a
+            // consumer here, so this never waits on a held stream).
+            if rng.percent(50) {
+                b.pool.trim_to(0).unwrap();
+            } else {
+                b.pool.synchronize_stream(ps[rng.index(producers)]).unwrap();
+            }
+            continue;
+        }
         let pi = rng.index(producers);
         let p = ps[pi];
         let size = sizes[rng.index(sizes.len())];
