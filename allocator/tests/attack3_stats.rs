@@ -2,7 +2,8 @@
 //! allocate, consumers that only free (their frees go straight to the
 //! arena), streams that do both, cross-stream frees ordered through the
 //! pool's events, consumers retired (and forgotten by the pool) and
-//! replaced by fresh streams, peak resets, trims and synchronisations.
+//! replaced by fresh streams, producers retired with blocks still live
+//! (freed later on other streams), peak resets, trims and synchronisations.
 //! A model keeps the bytes in use and their peak since the last reset;
 //! `used_current`, `used_high`, `allocs` and `frees` must equal it after
 //! every call, single-threaded (so "exact" has one meaning).
@@ -24,7 +25,8 @@ fn run(seed: u64, stream_cache_bytes: usize) {
             .with_stream_cache_bytes(stream_cache_bytes),
     )
     .unwrap();
-    let producers = streams(&*dev, 4);
+    let mut producers = streams(&*dev, 4);
+    let mut retired: Vec<Stream> = Vec::new();
     let mut consumers = streams(&*dev, 6);
     let mixed = streams(&*dev, 2);
     let mut rng = XorShift64::new(seed);
@@ -48,13 +50,20 @@ fn run(seed: u64, stream_cache_bytes: usize) {
             let (a, s) = live.swap_remove(rng.index(live.len()));
             let size = a.size() as u64;
             let target = match rng.below(3) {
-                0 => s,
+                0 if !retired.contains(&s) => s,
+                0 => producers[rng.index(4)],
                 1 => consumers[rng.index(consumers.len())],
                 _ => mixed[rng.index(2)],
             };
             if target != s {
-                let ev = pool.record_event(s).unwrap();
-                pool.wait_event(target, &ev).unwrap();
+                if retired.contains(&s) {
+                    // Its allocating stream is gone from the pool: order
+                    // the free after its work on the host.
+                    dev.synchronize_stream(s).ok();
+                } else {
+                    let ev = pool.record_event(s).unwrap();
+                    pool.wait_event(target, &ev).unwrap();
+                }
             }
             pool.free_async(a, target).unwrap();
             used -= size;
@@ -68,6 +77,14 @@ fn run(seed: u64, stream_cache_bytes: usize) {
                 dev.destroy_stream(old).unwrap();
             }
             consumers[i] = dev.create_stream().unwrap();
+        } else if r < 93 {
+            // Retire a producer with blocks still live (they are freed on
+            // other streams later) and replace it.
+            let i = rng.index(4);
+            let old = producers[i];
+            pool.retire_stream(old).unwrap();
+            retired.push(old);
+            producers[i] = dev.create_stream().unwrap();
         } else if r < 95 {
             pool.reset_peaks();
             high = used;
@@ -84,7 +101,12 @@ fn run(seed: u64, stream_cache_bytes: usize) {
         );
     }
     for (a, s) in live.drain(..) {
-        pool.free_async(a, s).unwrap();
+        if retired.contains(&s) {
+            dev.synchronize_stream(s).ok();
+            pool.free_async(a, producers[0]).unwrap();
+        } else {
+            pool.free_async(a, s).unwrap();
+        }
     }
     pool.synchronize().unwrap();
     pool.trim_to(0).unwrap();
