@@ -421,3 +421,39 @@ fn a_block_used_on_a_retired_and_forgotten_stream_can_be_freed() {
 fn a_block_used_on_a_retired_destroyed_and_forgotten_stream_can_be_freed() {
     free_after_the_use_stream_is_retired(true, true);
 }
+
+/// Pools made and dropped one after another on one thread and one stream:
+/// the thread's recent entries still hold the dropped pools' stream
+/// entries (with cached blocks), and a new pool must never be served from
+/// them: every block lies in its own pool, and its counts start at zero.
+#[test]
+fn a_new_pool_is_never_served_from_a_dropped_pools_recent_entries() {
+    let dev = Arc::new(host());
+    let s = dev.create_stream().unwrap();
+    for round in 0..40 {
+        let pool = pool_on(&dev);
+        for size in [512usize, 4096, 70_000] {
+            let a = pool.alloc_async(size, s).unwrap();
+            assert!(
+                pool.contains(a.ptr()),
+                "round {round}: a block outside its pool"
+            );
+            pool.free_async(a, s).unwrap();
+            let b = pool.alloc_async(size, s).unwrap();
+            assert!(
+                pool.contains(b.ptr()),
+                "round {round}: a cached block outside its pool"
+            );
+            pool.free_async(b, s).unwrap();
+        }
+        let st = pool.stats();
+        assert_eq!(
+            (st.allocs, st.frees, st.used_current),
+            (6, 6, 0),
+            "round {round}"
+        );
+        // Dropped with blocks in the stream's cache.
+        drop(pool);
+    }
+    assert_eq!(dev.live_handles(), 0);
+}
