@@ -457,3 +457,57 @@ fn a_new_pool_is_never_served_from_a_dropped_pools_recent_entries() {
     }
     assert_eq!(dev.live_handles(), 0);
 }
+
+/// Two hundred threads, each on a stream of its own that it retires when
+/// it is done, with a few blocks handed to the main thread (ordered by an
+/// event) and freed there after the thread and its stream are gone: the
+/// counts are exact and nothing stays in use.
+#[test]
+fn hundreds_of_threads_each_retiring_its_own_stream() {
+    let dev = Arc::new(host());
+    let pool = Arc::new(pool_on(&dev));
+    let main = dev.create_stream().unwrap();
+    let threads = 200;
+    let (tx, rx) = channel::<(tidepool::Allocation, tidepool::PoolEvent)>();
+    let handles: Vec<_> = (0..threads)
+        .map(|t| {
+            let (pool, dev, tx) = (pool.clone(), dev.clone(), tx.clone());
+            std::thread::spawn(move || {
+                let s = dev.create_stream().unwrap();
+                for i in 0..50usize {
+                    let a = pool
+                        .alloc_async(256 + (i * 997 + t * 31) % 20_000, s)
+                        .unwrap();
+                    pool.free_async(a, s).unwrap();
+                }
+                for i in 0..3usize {
+                    let a = pool.alloc_async(1000 * (i + 1), s).unwrap();
+                    let ev = pool.record_event(s).unwrap();
+                    tx.send((a, ev)).unwrap();
+                }
+                pool.retire_stream(s).unwrap();
+                match pool.alloc_async(512, s) {
+                    Err(PoolError::StreamRetired { .. }) => {}
+                    other => panic!("thread {t}: a retired stream: {:?}", other.map(|a| a.ptr())),
+                }
+                dev.destroy_stream(s).unwrap();
+            })
+        })
+        .collect();
+    drop(tx);
+    for h in handles {
+        h.join().unwrap();
+    }
+    let mut n = 0;
+    for (a, ev) in rx {
+        pool.wait_event(main, &ev).unwrap();
+        pool.free_async(a, main).unwrap();
+        n += 1;
+    }
+    assert_eq!(n, threads * 3);
+    pool.synchronize().unwrap();
+    pool.trim_to(0).unwrap();
+    exact(&pool, "hundreds of threads");
+    assert_eq!(pool.stats().allocs, threads as u64 * 53);
+    assert_eq!(pool.stats().reserved_current, 0);
+}
