@@ -442,3 +442,51 @@ fn pinned_pages_and_free_units(capacity: usize, max_size: Option<u64>) {
         panic!("false out-of-memory: {v}");
     }
 }
+
+/// Two pools on one device of 48 MiB. The second pool holds free,
+/// complete memory (in units, or single pages) and one small block; the
+/// first pool's request of 36 MiB runs the device out of
+/// memory, and the other pool must give back its wholly free units so
+/// that the request succeeds (step 6 of the reuse order).
+#[test]
+fn another_pools_free_units_are_released_for_a_request() {
+    for units in [false, true] {
+        let dev = Arc::new(host_with_capacity(48 * MIB));
+        let cfg = || {
+            let c = PoolConfig::default().with_va_size(1 << 30);
+            if units {
+                c.with_max_unit_size(8 * MIB).with_unit_min_block(4 * MIB)
+            } else {
+                c
+            }
+        };
+        let a_pool = MemPool::new(dev.clone(), cfg()).unwrap();
+        let b_pool = MemPool::new(dev.clone(), cfg()).unwrap();
+        let s = dev.create_stream().unwrap();
+        let big = b_pool.alloc_async(24 * MIB, s).unwrap();
+        b_pool.free_async(big, s).unwrap();
+        b_pool.synchronize().unwrap();
+        // A small block on the first page of the freed range.
+        let small = b_pool.alloc_async(MIB, s).unwrap();
+        b_pool.synchronize().unwrap();
+        let held = b_pool.stats().reserved_current;
+        // At least 16 MiB held with 2 MiB of pages in use: the 36 MiB fit
+        // once the other pool gives back 6 MiB of its free memory.
+        assert!(
+            held >= 16 * MIB as u64,
+            "units {units}: the set-up holds {held} B"
+        );
+        let got = a_pool.alloc_async(36 * MIB, s);
+        let after = b_pool.stats().reserved_current;
+        let ok = got.is_ok();
+        if let Ok(x) = got {
+            a_pool.free_async(x, s).unwrap();
+        }
+        b_pool.free_async(small, s).unwrap();
+        assert!(
+            ok,
+            "units {units}: 36 MiB failed on a device of 48 MiB while the other pool held \
+             {held} B of which only 1 MiB in use (it kept {after} B)"
+        );
+    }
+}
