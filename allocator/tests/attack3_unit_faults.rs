@@ -265,3 +265,64 @@ fn device_out_of_memory_while_creating_a_unit_is_reported_and_lost_nothing() {
         r.finish(&format!("k {k}"));
     }
 }
+
+/// Persistent failures: from the k-th call on, every call of the op fails
+/// until the next step of the workload is over; calls that fail must fail
+/// with a typed error carrying the fault (never a panic, never another
+/// error), and once the device answers again the pool ends as clean as
+/// ever: no block lost, nothing in use, everything released.
+#[test]
+fn persistent_failures_of_each_unit_call_leave_the_pool_usable() {
+    let ops = [
+        Op::CreatePhysical,
+        Op::Map,
+        Op::SetAccess,
+        Op::Unmap,
+        Op::ReleasePhysical,
+    ];
+    for op in ops {
+        for k in 1..=4u64 {
+            let r = Run::new();
+            let s = r.s;
+            let mut live: Vec<Allocation> = Vec::new();
+            let steps: [(usize, bool); 8] = [
+                (8 * MIB, false),
+                (20 * MIB, false),
+                (0, true),
+                (16 * MIB, false),
+                (3 * MIB, false),
+                (0, true),
+                (12 * MIB, false),
+                (0, true),
+            ];
+            r.dev.fail_from(op, k, SysError::Injected { op, call: k });
+            for (i, &(size, trim)) in steps.iter().enumerate() {
+                let res = if trim {
+                    if let Some(a) = live.pop() {
+                        r.pool
+                            .free_async(a, s)
+                            .expect("a free never fails on a fault");
+                    }
+                    r.pool
+                        .synchronize()
+                        .and_then(|_| r.pool.trim_to(0))
+                        .map(|_| ())
+                } else {
+                    r.pool.alloc_async(size, s).map(|a| live.push(a))
+                };
+                if let Err(e) = res {
+                    assert!(
+                        is_injected(&e),
+                        "{op:?} from call {k}, step {i}: an error other than the fault: {e}"
+                    );
+                }
+            }
+            r.dev.clear();
+            for a in live.drain(..) {
+                r.pool.free_async(a, s).unwrap();
+            }
+            r.pool.synchronize().unwrap();
+            r.finish(&format!("{op:?} failing from call {k}"));
+        }
+    }
+}
