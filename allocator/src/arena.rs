@@ -1805,6 +1805,82 @@ mod tests {
         }
     }
 
+    /// Runs `ops` (takes, frees under various guards, completions moving
+    /// forward) on two arenas and checks after every settle that `a`,
+    /// settled through its per-stream index, holds the same free ranges
+    /// as `b`, settled by a scan of every range. With `only_moved`, one
+    /// stream's completion moves at a time and `a` settles only that
+    /// stream (listed once or twice) with `settle_streams`; otherwise
+    /// any stream's completion moves and `a` uses `settle`.
+    fn settle_agrees_with_the_full_scan(
+        ops: &[(u8, u32, u32)],
+        only_moved: bool,
+    ) -> Result<(), proptest::test_runner::TestCaseError> {
+        let mut a = arena_with_pages(4);
+        let mut b = arena_with_pages(4);
+        let mut done = [0u64; 4];
+        let mut live: Vec<(usize, usize)> = Vec::new();
+        for (step, &(kind, x, y)) in ops.iter().enumerate() {
+            let (x, y) = (x as usize, y as usize);
+            match kind {
+                0..=2 => {
+                    let ranges: Vec<(usize, FreeRange)> = a.free_ranges().collect();
+                    if ranges.is_empty() {
+                        continue;
+                    }
+                    let (o, r) = ranges[x % ranges.len()];
+                    let skip = if y % 2 == 0 { 0 } else { (y >> 1) % r.len };
+                    let len = 1 + (y >> 8) % (r.len - skip).min(1 << 20);
+                    a.take(o + skip, len);
+                    b.take(o + skip, len);
+                    live.push((o + skip, len));
+                }
+                3 | 4 if !live.is_empty() => {
+                    let (o, l) = live.swap_remove(x % live.len());
+                    let guard = match y % 4 {
+                        0 => Guard::Complete,
+                        s => Guard::After {
+                            stream: s as u64,
+                            epoch: step as u64 + 1,
+                        },
+                    };
+                    a.give_back(o, l, guard);
+                    b.give_back(o, l, guard);
+                }
+                _ => {
+                    let s = 1 + x % 3;
+                    done[s] = done[s].max((y % (step + 2)) as u64);
+                    let upgrade = |g| match g {
+                        Guard::After { stream, epoch }
+                            if (!only_moved || stream == s as u64)
+                                && done[stream as usize] >= epoch =>
+                        {
+                            Some(Guard::Complete)
+                        }
+                        _ => None,
+                    };
+                    if only_moved {
+                        let moved = [s as u64, 3, s as u64];
+                        a.settle_streams(&moved[..1 + y % 3], upgrade);
+                    } else {
+                        a.settle(upgrade);
+                    }
+                    b.settle_linear(upgrade);
+                    proptest::prop_assert!(
+                        a.free_ranges()
+                            .map(|(o, r)| (o, r.len, r.guard))
+                            .eq(b.free_ranges().map(|(o, r)| (o, r.len, r.guard))),
+                        "settling (only_moved: {}) differs from the full scan at step {}",
+                        only_moved,
+                        step
+                    );
+                }
+            }
+            a.check();
+        }
+        Ok(())
+    }
+
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(200))]
         /// Settling through the per-stream index leaves the same free
@@ -1812,125 +1888,15 @@ mod tests {
         /// completions before it.
         #[test]
         fn settle_by_stream_agrees_with_the_full_scan(ops in index_ops()) {
-            let mut a = arena_with_pages(4);
-            let mut b = arena_with_pages(4);
-            let mut done = [0u64; 4];
-            let mut live: Vec<(usize, usize)> = Vec::new();
-            for (step, &(kind, x, y)) in ops.iter().enumerate() {
-                let (x, y) = (x as usize, y as usize);
-                match kind {
-                    0..=2 => {
-                        let ranges: Vec<(usize, FreeRange)> = a.free_ranges().collect();
-                        if ranges.is_empty() {
-                            continue;
-                        }
-                        let (o, r) = ranges[x % ranges.len()];
-                        let skip = if y % 2 == 0 { 0 } else { (y >> 1) % r.len };
-                        let len = 1 + (y >> 8) % (r.len - skip).min(1 << 20);
-                        a.take(o + skip, len);
-                        b.take(o + skip, len);
-                        live.push((o + skip, len));
-                    }
-                    3 | 4 if !live.is_empty() => {
-                        let (o, l) = live.swap_remove(x % live.len());
-                        let guard = match y % 4 {
-                            0 => Guard::Complete,
-                            s => Guard::After {
-                                stream: s as u64,
-                                epoch: step as u64 + 1,
-                            },
-                        };
-                        a.give_back(o, l, guard);
-                        b.give_back(o, l, guard);
-                    }
-                    _ => {
-                        // Some stream's completion moves forward.
-                        let s = 1 + x % 3;
-                        done[s] = done[s].max((y % (step + 2)) as u64);
-                        let upgrade = |g| match g {
-                            Guard::After { stream, epoch } if done[stream as usize] >= epoch => {
-                                Some(Guard::Complete)
-                            }
-                            _ => None,
-                        };
-                        a.settle(upgrade);
-                        b.settle_linear(upgrade);
-                        proptest::prop_assert!(
-                            a.free_ranges().map(|(o, r)| (o, r.len, r.guard))
-                                .eq(b.free_ranges().map(|(o, r)| (o, r.len, r.guard))),
-                            "settle differs from the full scan at step {}", step
-                        );
-                    }
-                }
-                a.check();
-            }
+            settle_agrees_with_the_full_scan(&ops, false)?;
         }
-    }
 
-    proptest::proptest! {
-        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(200))]
         /// Settling only the streams whose completion moved leaves the
         /// same free ranges as a scan of every range, when only those
         /// streams' completion moved.
         #[test]
         fn settling_the_moved_streams_agrees_with_the_full_scan(ops in index_ops()) {
-            let mut a = arena_with_pages(4);
-            let mut b = arena_with_pages(4);
-            let mut done = [0u64; 4];
-            let mut live: Vec<(usize, usize)> = Vec::new();
-            for (step, &(kind, x, y)) in ops.iter().enumerate() {
-                let (x, y) = (x as usize, y as usize);
-                match kind {
-                    0..=2 => {
-                        let ranges: Vec<(usize, FreeRange)> = a.free_ranges().collect();
-                        if ranges.is_empty() {
-                            continue;
-                        }
-                        let (o, r) = ranges[x % ranges.len()];
-                        let skip = if y % 2 == 0 { 0 } else { (y >> 1) % r.len };
-                        let len = 1 + (y >> 8) % (r.len - skip).min(1 << 20);
-                        a.take(o + skip, len);
-                        b.take(o + skip, len);
-                        live.push((o + skip, len));
-                    }
-                    3 | 4 if !live.is_empty() => {
-                        let (o, l) = live.swap_remove(x % live.len());
-                        let guard = match y % 4 {
-                            0 => Guard::Complete,
-                            s => Guard::After {
-                                stream: s as u64,
-                                epoch: step as u64 + 1,
-                            },
-                        };
-                        a.give_back(o, l, guard);
-                        b.give_back(o, l, guard);
-                    }
-                    _ => {
-                        // One stream's completion moves forward (twice in
-                        // one call now and then, the same stream listed
-                        // twice).
-                        let s = 1 + x % 3;
-                        done[s] = done[s].max((y % (step + 2)) as u64);
-                        let upgrade = |g| match g {
-                            Guard::After { stream, epoch }
-                                if stream == s as u64 && done[s] >= epoch =>
-                            {
-                                Some(Guard::Complete)
-                            }
-                            _ => None,
-                        };
-                        let moved = [s as u64, 3, s as u64];
-                        a.settle_streams(&moved[..1 + y % 3], upgrade);
-                        b.settle_linear(upgrade);
-                        proptest::prop_assert!(
-                            a.free_ranges().map(|(o, r)| (o, r.len, r.guard))
-                                .eq(b.free_ranges().map(|(o, r)| (o, r.len, r.guard))),
-                            "settle_streams differs from the full scan at step {}", step
-                        );
-                    }
-                }
-                a.check();
-            }
+            settle_agrees_with_the_full_scan(&ops, true)?;
         }
     }
 
