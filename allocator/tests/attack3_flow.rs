@@ -282,6 +282,19 @@ fn hundreds_of_producers_with_few_allocations_each() {
 /// before its consumer's verify ran shows up as a mismatch.
 #[test]
 fn threaded_producers_and_consumers_with_held_consumers() {
+    threaded(false);
+}
+
+/// The same, and every 50 blocks each consumer retires its stream (and
+/// destroys every other one, with its frees still pending behind a held
+/// task or not), and goes on with a fresh stream, while the producers'
+/// slow paths poll the watched consumers.
+#[test]
+fn threaded_consumers_retiring_their_streams_under_traffic() {
+    threaded(true);
+}
+
+fn threaded(churn: bool) {
     use std::sync::mpsc::{sync_channel, SyncSender};
     let b = Arc::new(Bench::new(PoolConfig::default().with_va_size(4 << 30)));
     let producers = 3;
@@ -297,9 +310,21 @@ fn threaded_producers_and_consumers_with_held_consumers() {
         txs.push(tx);
         let b = b.clone();
         handles.push(std::thread::spawn(move || {
+            let mut c = c;
             let mut n = 0u64;
             let mut hold: Option<Blocker> = None;
             while let Ok((a, ev, tag)) = rx.recv() {
+                if churn && n % 50 == 49 {
+                    let old = c;
+                    b.pool.retire_stream(old).unwrap();
+                    if n % 100 == 99 {
+                        // Destroyed with its held task (if any) still queued.
+                        b.dev.destroy_stream(old).unwrap();
+                    }
+                    c = b.dev.create_stream().unwrap();
+                    // A task held on the old stream stays held until its
+                    // stretch ends; the new stream starts free.
+                }
                 // Hold for 6 blocks out of every 16 (counts, not time).
                 match n % 16 {
                     3 => hold = Some(Blocker::on(&*b.dev, c)),
