@@ -361,9 +361,9 @@ fn cfg_single() -> Cfg {
 /// The false out-of-memory oracle over every random workload above: a
 /// request that fails after the streams not held busy were synchronised
 /// must still fail after `trim_to(0)`. Fails: the units workloads of 4 and
-/// 8 MiB meet it (see the two tests below for the smallest case), and since
-/// lean and flow changed the random sequences, the single-page one does
-/// too (`attack3_window_oom.rs`, an old defect).
+/// 8 MiB meet it (see the two tests below for the smallest case), and so
+/// does the single-page one (`attack3_window_oom.rs`, an old defect; the
+/// sweep below finds it as often on single pages as with units).
 #[test]
 #[ignore = "defect: false out-of-memory (the fewest-binds window needs growth past the \
             limit while another window needs none); run with --ignored"]
@@ -558,4 +558,63 @@ fn another_pools_free_units_are_released_for_a_request() {
 #[test]
 fn units_of_6_mib_for_every_block_threshold_4_mib() {
     check(cfg_u6_mib());
+}
+
+/// The false out-of-memory oracle over 40 seeds x single pages and units
+/// of 4, 8, 16 and 64 MiB x a device of 48 MiB and a cap of 40 MiB (800
+/// calls each; about 30 s in a debug build). Prints, per setting, the runs
+/// that met a false out-of-memory and their share of all out-of-memory
+/// results, then fails if there was any. Measured at 743dab9 + main
+/// 366b2d1: about half the runs of every setting, single pages included,
+/// 19-34 false of about 2000-2560 out-of-memory results per setting.
+#[test]
+#[ignore = "defect: false out-of-memory, single pages and units alike; run with --ignored"]
+fn sweep_of_40_seeds_meets_no_false_out_of_memory() {
+    let mut report = Vec::new();
+    for seed in 100..140u64 {
+        for mu in [0usize, 4 * MIB, 8 * MIB, 16 * MIB, 64 * MIB] {
+            for (um, cap, ms) in [
+                (2 * MIB, 48 * MIB, None),
+                (4 * MIB, 64 * MIB, Some(40 * MIB as u64)),
+            ] {
+                let o = run(&Cfg {
+                    max_unit: mu,
+                    unit_min: um,
+                    capacity: cap,
+                    max_size: ms,
+                    threshold: u64::MAX,
+                    seed,
+                    ops: 800,
+                });
+                report.push((mu / MIB, ms.is_some(), o.false_ooms.len(), o.ooms));
+            }
+        }
+    }
+    use std::io::Write;
+    let mut e = std::io::stderr().lock();
+    let mut total = 0;
+    for mu in [0usize, 4, 8, 16, 64] {
+        for capped in [false, true] {
+            let rs: Vec<_> = report
+                .iter()
+                .filter(|r| r.0 == mu && r.1 == capped)
+                .collect();
+            let hit = rs.iter().filter(|r| r.2 > 0).count();
+            let f: usize = rs.iter().map(|r| r.2).sum();
+            let o: usize = rs.iter().map(|r| r.3).sum();
+            total += f;
+            let _ = writeln!(
+                e,
+                "max_unit {mu} MiB, {}: runs with a false out-of-memory {hit}/{}, \
+                 false {f} of {o} out-of-memory results",
+                if capped {
+                    "cap 40 MiB"
+                } else {
+                    "device 48 MiB"
+                },
+                rs.len()
+            );
+        }
+    }
+    assert_eq!(total, 0, "false out-of-memory results over the sweep");
 }
