@@ -511,3 +511,66 @@ fn hundreds_of_threads_each_retiring_its_own_stream() {
     assert_eq!(pool.stats().allocs, threads as u64 * 53);
     assert_eq!(pool.stats().reserved_current, 0);
 }
+
+/// A capture announced (and really begun) on one stream while another
+/// thread switches between strict and announced mode many times: in
+/// either mode the capturing stream is checked (strict: always;
+/// announced: a capture is announced), so every block it gets, from a
+/// warm fast path too, is graph memory; the other streams' traffic
+/// meanwhile never is.
+#[test]
+fn an_announced_capture_is_seen_whatever_the_mode_switches() {
+    use tidepool_sys::CaptureMode;
+    let dev = Arc::new(host());
+    let pool = Arc::new(pool_on(&dev));
+    let c = dev.create_stream().unwrap();
+    let s = dev.create_stream().unwrap();
+    // Warm c's fast path (its cache holds a block of the size asked later).
+    for _ in 0..20 {
+        let a = pool.alloc_async(4096, c).unwrap();
+        pool.free_async(a, c).unwrap();
+    }
+    pool.begin_announced_capture(c);
+    dev.begin_capture(c, CaptureMode::Relaxed).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let toggler = {
+        let (pool, stop) = (pool.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) && i < 1_000_000 {
+                pool.set_announced_captures(i % 2 == 0);
+                i += 1;
+            }
+        })
+    };
+    let other = {
+        let pool = pool.clone();
+        std::thread::spawn(move || {
+            for i in 0..2000 {
+                let a = pool.alloc_async(4096, s).unwrap();
+                assert!(
+                    !a.is_graph_memory(),
+                    "pair {i}: a stream not captured got graph memory"
+                );
+                pool.free_async(a, s).unwrap();
+            }
+        })
+    };
+    for i in 0..300 {
+        let g = pool.alloc_async(4096, c).unwrap();
+        let graph = g.is_graph_memory();
+        pool.free_async(g, c).unwrap();
+        assert!(
+            graph,
+            "allocation {i} on the capturing stream was a pool block"
+        );
+    }
+    other.join().unwrap();
+    stop.store(true, Ordering::Relaxed);
+    toggler.join().unwrap();
+    let _ = dev.end_capture(c);
+    assert!(pool.end_announced_capture(c));
+    pool.set_announced_captures(false);
+    pool.synchronize().unwrap();
+    exact(&pool, "announced capture under switches");
+}
