@@ -63,10 +63,10 @@ fn stress(max_unit: usize, unit_min: usize, seed: u64) {
 
 #[test]
 fn stress_with_units_of_8_mib_from_2_mib_blocks() {
-    stress(8 * MIB, 2 * MIB, 0xA77A_C3);
+    stress(8 * MIB, 2 * MIB, 0x00A7_7AC3);
 }
 
 #[test]
 fn stress_with_units_of_64_mib_from_4_mib_blocks() {
-    stress(64 * MIB, 4 * MIB, 0xA77A_C4);
+    stress(64 * MIB, 4 * MIB, 0x00A7_7AC4);
 }
