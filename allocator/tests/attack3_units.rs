@@ -623,3 +623,34 @@ fn sweep_of_40_seeds_meets_no_false_out_of_memory() {
     }
     assert_eq!(total, 0, "false out-of-memory results over the sweep");
 }
+
+/// Export of a block that lies on a unit of several pages, from a pool not
+/// created exportable: a typed error (the pool cannot hand out a handle per
+/// page of a unit), and the block stays usable and freeable.
+#[test]
+fn exporting_a_block_on_a_unit_is_a_typed_error() {
+    let dev = Arc::new(host());
+    let pool = MemPool::new(
+        dev.clone(),
+        PoolConfig::default()
+            .with_va_size(1 << 30)
+            .with_max_unit_size(8 * MIB)
+            .with_unit_min_block(4 * MIB),
+    )
+    .unwrap();
+    let s = dev.create_stream().unwrap();
+    let a = pool.alloc_async(8 * MIB, s).unwrap();
+    assert_eq!(dev.live_handles(), 1, "one unit");
+    match pool.export(&a) {
+        Ok(_) => panic!("a block on a unit of a non-exportable pool was exported"),
+        Err(e) => assert!(
+            matches!(e, PoolError::NotExportable { .. }),
+            "another error than NotExportable: {e}"
+        ),
+    }
+    dev.write_words(a.ptr(), &[7]).unwrap();
+    assert_eq!(dev.read_words(a.ptr(), 1).unwrap(), vec![7]);
+    pool.free_async(a, s).unwrap();
+    pool.synchronize().unwrap();
+    assert_eq!(pool.trim_to(0).unwrap(), 8 * MIB as u64);
+}
