@@ -1,6 +1,8 @@
-//! A false out-of-memory on single pages under a cap, found by the random
-//! workload of `attack3_units.rs` and shrunk to 21 calls. It fails the
-//! same way at 44244c5 (before units, lean and flow): an old defect.
+//! A false out-of-memory on single pages under a cap or in a full device:
+//! found by the random workload of `attack3_units.rs` and shrunk to 21
+//! calls (the first test), then built by hand in five calls (the last two).
+//! The 21-call test and the hand-built capped one fail the same way at
+//! 44244c5 (before units, lean and flow): an old defect.
 //!
 //! Three streams; s2 is held busy by a host task from the fifth call on,
 //! so its frees stay pending. After every call, s0 and s1 are synchronised
