@@ -691,6 +691,22 @@ impl std::ops::Deref for StreamTable {
 }
 
 impl<D: Device> StreamOrder<D> {
+    /// Pop the stream's recorded events that the device reports complete,
+    /// oldest first, marking their epochs observed; stops at the first
+    /// still running (or failing to answer: asked again next time).
+    fn observe_recorded(&self, id: u64, s: &mut StreamState, done: &mut Completion) {
+        while let Some(front) = s.recorded.front() {
+            match self.device.query_event(front.event) {
+                Ok(true) => {
+                    let epoch = front.epoch;
+                    s.recorded.pop_front();
+                    done.mark_observed(id, epoch);
+                }
+                _ => break,
+            }
+        }
+    }
+
     pub fn new(pool: u64, device: Arc<D>) -> Self {
         StreamOrder {
             pool,
@@ -980,16 +996,7 @@ impl<D: Device> StreamOrder<D> {
                 continue;
             }
             let before = done.observed(id);
-            while let Some(front) = s.recorded.front() {
-                match self.device.query_event(front.event) {
-                    Ok(true) => {
-                        let epoch = front.epoch;
-                        s.recorded.pop_front();
-                        done.mark_observed(id, epoch);
-                    }
-                    _ => break,
-                }
-            }
+            self.observe_recorded(id, &mut s, done);
             let mut forget = false;
             if s.frees_in_epoch && s.recorded.is_empty() && id != me && !s.retired {
                 match self.device.is_capturing(s.stream) {
@@ -1111,16 +1118,7 @@ impl<D: Device> StreamOrder<D> {
                 // A failure leaves the epoch open: the next pass tries again.
                 let _ = self.record_closing(s);
             }
-            while let Some(front) = s.recorded.front() {
-                match self.device.query_event(front.event) {
-                    Ok(true) => {
-                        let epoch = front.epoch;
-                        s.recorded.pop_front();
-                        done.mark_observed(id, epoch);
-                    }
-                    _ => break,
-                }
-            }
+            self.observe_recorded(id, s, done);
         });
         arena.settle(|g| match g {
             Guard::After { stream, epoch }
