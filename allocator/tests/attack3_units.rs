@@ -264,6 +264,14 @@ fn run(cfg: &Cfg) -> Outcome {
     assert_eq!(k.mismatches().unwrap(), 0, "a block's data was overwritten");
     let st = pool.stats();
     assert_eq!(st.used_current, 0, "used after freeing everything");
+    // Nothing in use and nothing pending after the synchronisation: the
+    // release threshold holds (units go whole, so it may be undershot).
+    assert!(
+        st.reserved_current <= cfg.threshold,
+        "{} B held after a synchronisation with nothing in use, threshold {}",
+        st.reserved_current,
+        cfg.threshold
+    );
     let released = pool.trim_to(0).unwrap();
     assert_eq!(
         released, st.reserved_current,
