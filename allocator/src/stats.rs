@@ -31,8 +31,10 @@ pub struct PoolStats {
     pub growths: u64,
     /// Pieces of physical memory released to the device.
     pub releases: u64,
-    /// Pieces of physical memory moved from where they were free to where
-    /// they were needed (defragmentation).
+    /// Binds of physical memory at an address (a driver map and
+    /// set-access each): the first mapping of every piece created by
+    /// growth, and every move of a piece from where it was free to where it
+    /// was needed (defragmentation).
     pub remaps: u64,
     /// Pages moved back to a place they had been mapped before, with no
     /// driver call (their old mapping was kept).
