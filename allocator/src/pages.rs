@@ -18,7 +18,8 @@
 use crate::config::{PoolConfig, ReusePolicy};
 use crate::ordering::VectorClock;
 use crate::placement::{
-    best_window, free_units, ghost_available, hole_window, phys_movable, ArenaState, State,
+    best_window, free_units, ghost_available, hole_window, phys_movable, ranked_windows,
+    ArenaState, State,
 };
 use crate::share_state::ShareState;
 use tidepool_sys::{Device, DevicePtr, PhysicalOptions, SysError};
@@ -37,6 +38,10 @@ pub(crate) enum MapFailure {
 
 /// Most mappings one physical page keeps (one active, the rest ghosts).
 const MAX_GHOSTS: usize = 4;
+
+/// Most windows tried after the one with the fewest binds failed on the
+/// cap or a full device (each try costs a walk over the window's pages).
+const MAX_WINDOW_TRIES: usize = 256;
 
 /// What page mapping needs of the pool: the device, where the pool's
 /// address range starts, its configuration, and the access list every new
@@ -65,10 +70,32 @@ impl<D: Device> Pages<'_, D> {
             Err(MapFailure::Device(e)) => return Err(MapFailure::Device(e)),
             Err(e) => e,
         };
-        match self.map_window(st, len, me, clock, reuse, true) {
-            Err(MapFailure::NoWindow) => Err(first),
-            other => other,
+        let failure = match self.map_window(st, len, me, clock, reuse, true) {
+            Err(MapFailure::NoWindow) => first,
+            Err(e @ (MapFailure::Capped | MapFailure::DeviceOom(_))) => e,
+            other => return other,
+        };
+        if !matches!(failure, MapFailure::Capped | MapFailure::DeviceOom(_)) {
+            return Err(failure);
         }
+        // The window with the fewest binds needs growth that cannot be
+        // had; another may need fewer new pages (free pages it can move in
+        // rather than create): try the others, best first.
+        let zone = 0..st.arena.va_size();
+        for (_, _, start) in ranked_windows(st, len, &zone, me, clock, reuse)
+            .into_iter()
+            .skip(1)
+            .take(MAX_WINDOW_TRIES)
+        {
+            // Earlier tries may have brought ghosts back or moved pages,
+            // so the ranking's count of pages to activate may be stale.
+            match self.map_at(st, len, start, None) {
+                Ok(off) => return Ok(off),
+                Err(MapFailure::Device(e)) => return Err(MapFailure::Device(e)),
+                Err(_) => {}
+            }
+        }
+        Err(failure)
     }
 
     /// Steps 4 and 5: choose a virtual window of free ranges and holes,
@@ -107,13 +134,27 @@ impl<D: Device> Pages<'_, D> {
             hole_window(st, len, &st.zone(len), me, clock, reuse)
         };
         let (_, need, start) = best.ok_or(MapFailure::NoWindow)?;
+        self.map_at(st, len, start, Some(need))
+    }
+
+    /// Map the unmapped pages of the window `[start, start + len)` (`need`
+    /// of them, when known) and hand out the block; on failure nothing is
+    /// created and the pages gathered stay the pool's (as spare pages).
+    fn map_at(
+        &self,
+        st: &mut State<'_>,
+        len: usize,
+        start: usize,
+        need: Option<usize>,
+    ) -> Result<usize, MapFailure> {
+        let page = st.arena.page();
         let end = start + len;
         let block_pages = start / page..=(end - 1) / page;
         let targets: Vec<usize> = block_pages
             .clone()
             .filter(|&p| !st.arena.is_active(p))
             .collect();
-        debug_assert_eq!(targets.len(), need);
+        debug_assert!(need.is_none_or(|n| n == targets.len()));
 
         // First, targets whose ghost mapping's physical memory is free to
         // come back: no driver call at all. A unit comes back whole, onto

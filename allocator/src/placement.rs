@@ -199,8 +199,50 @@ pub(crate) fn best_window(
     clock: &VectorClock,
     reuse: ReusePolicy,
 ) -> Option<(usize, usize, usize)> {
-    let page = st.arena.page();
     let mut best: Option<(usize, usize, usize)> = None;
+    each_window(st, len, align, zone, me, clock, reuse, |cand| {
+        if best.is_none_or(|b| cand < b) {
+            best = Some(cand);
+        }
+    });
+    best
+}
+
+/// Every window [`best_window`] weighs, best first (distinct starts):
+/// for when the best one cannot be had because growth is capped or the
+/// device is full, and another window needs fewer new pages (one that
+/// starts inside a page a live block shares can span a page fewer).
+pub(crate) fn ranked_windows(
+    st: &State<'_>,
+    len: usize,
+    zone: &std::ops::Range<usize>,
+    me: u64,
+    clock: &VectorClock,
+    reuse: ReusePolicy,
+) -> Vec<(usize, usize, usize)> {
+    let mut all = Vec::new();
+    each_window(st, len, 1, zone, me, clock, reuse, |cand| all.push(cand));
+    all.sort_unstable();
+    all.dedup_by_key(|c| c.2);
+    all
+}
+
+/// Calls `found` with (binds, pages to activate, start) of each window
+/// worth weighing: flush with either end of a span of usable free ranges
+/// and holes, or with a page boundary (between those the cost does not
+/// change).
+#[allow(clippy::too_many_arguments)]
+fn each_window(
+    st: &State<'_>,
+    len: usize,
+    align: usize,
+    zone: &std::ops::Range<usize>,
+    me: u64,
+    clock: &VectorClock,
+    reuse: ReusePolicy,
+    mut found: impl FnMut((usize, usize, usize)),
+) {
+    let page = st.arena.page();
     // Maximal spans [l, r) of usable free ranges and holes.
     let mut spans: Vec<(usize, usize)> = Vec::new();
     for (o, l, g) in st.arena.segments(zone) {
@@ -243,10 +285,7 @@ pub(crate) fn best_window(
                 return;
             }
             let (a, b) = (s / page - p0, (s + len - 1) / page - p0 + 1);
-            let cand = (binds[b] - binds[a], acts[b] - acts[a], s);
-            if best.is_none_or(|b| cand < b) {
-                best = Some(cand);
-            }
+            found((binds[b] - binds[a], acts[b] - acts[a], s));
         };
         // Windows flush with either end of the span or with a page
         // boundary: between those the cost does not change.
@@ -262,7 +301,6 @@ pub(crate) fn best_window(
             consider(l.next_multiple_of(align));
         }
     }
-    best
 }
 
 /// The window of `len` bytes in `zone` around one hole, extended by the

@@ -2,7 +2,10 @@
 //! found by the random workload of `attack3_units.rs` and shrunk to 21
 //! calls (the first test), then built by hand in five calls (the last two).
 //! The 21-call test and the hand-built capped one fail the same way at
-//! 44244c5 (before units, lean and flow): an old defect.
+//! 44244c5 (before units, lean and flow): an old defect. Fixed since: when
+//! the window with the fewest binds cannot be had (cap or full device), the
+//! pool tries the other windows, best first, before reporting
+//! out-of-memory.
 //!
 //! Three streams; s2 is held busy by a host task from the fifth call on,
 //! so its frees stay pending. After every call, s0 and s1 are synchronised
@@ -19,8 +22,8 @@
 //! (best window anywhere) picks the same window, since it has the fewest
 //! binds. A window at the start of the small zone, after a 53 KB block,
 //! spans seven pages and needs six pages moved in, exactly the six idle
-//! complete ones: no growth at all. Neither pass looks for a window the cap
-//! can hold when the one with the fewest binds cannot be.
+//! complete ones: no growth at all. Neither pass looked for a window the
+//! cap can hold when the one with the fewest binds cannot be.
 
 mod common;
 
@@ -114,7 +117,6 @@ fn no_waits() -> ReusePolicy {
 }
 
 #[test]
-#[ignore = "defect: false out-of-memory under a cap (an old one); run with --ignored"]
 fn a_window_that_needs_no_growth_is_not_tried_when_the_fewest_binds_one_is_capped() {
     if let Some(v) = run(no_waits()) {
         panic!("false out-of-memory: {v}");
@@ -134,14 +136,12 @@ fn a_window_that_needs_no_growth_is_not_tried_when_the_fewest_binds_one_is_cappe
 /// six idle pages, the fewest-binds window is the other one, and the same
 /// request succeeds.
 #[test]
-#[ignore = "defect: false out-of-memory under a cap (an old one); run with --ignored"]
 fn built_by_hand_the_window_after_a_shared_page_needs_one_page_more() {
     by_hand(64 * MIB, Some(18 * MIB as u64));
 }
 
 /// The same in a device of 18 MiB with no cap (the device's out-of-memory).
 #[test]
-#[ignore = "defect: false out-of-memory in a full device (an old one); run with --ignored"]
 fn built_by_hand_in_a_full_device() {
     by_hand(18 * MIB, None);
 }
