@@ -80,11 +80,11 @@ impl<D: Device> Pages<'_, D> {
         }
         // The window with the fewest binds needs growth that cannot be
         // had; another may need fewer new pages (free pages it can move in
-        // rather than create): try the others, best first.
+        // rather than create): try the windows, best first (ranked anew:
+        // the tries above may have brought ghosts back).
         let zone = 0..st.arena.va_size();
         for (_, _, start) in ranked_windows(st, len, &zone, me, clock, reuse)
             .into_iter()
-            .skip(1)
             .take(MAX_WINDOW_TRIES)
         {
             // Earlier tries may have brought ghosts back or moved pages,
