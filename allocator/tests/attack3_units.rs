@@ -582,8 +582,8 @@ fn units_of_6_mib_for_every_block_threshold_4_mib() {
 /// 40 runs of every setting, single pages included, 19-39 false of about
 /// 1940-2580 out-of-memory results per setting. After the pool learnt to
 /// try other windows when the fewest-binds one needs growth it cannot
-/// have (a9ecad2 + that change, one run): 0-3 of the 40 runs per setting,
-/// 0-3 false of about 1860-2440.
+/// have (two runs, at 24c635e and 5f05a0e): 0-3 of the 40 runs per
+/// setting, 0-4 false of about 1780-2440.
 #[test]
 #[ignore = "rare false out-of-memory left (0-3 runs of 40 per setting), and slow (~60 s \
             in debug); run with --ignored"]
