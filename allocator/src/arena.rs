@@ -1077,27 +1077,7 @@ impl Arena {
             .iter()
             .filter_map(|(&o, &r)| upgrade(r.guard).map(|g| (o, r, g)))
             .collect();
-        for (o, r, g) in changed {
-            if self
-                .free
-                .get(&o)
-                .is_some_and(|cur| cur.len == r.len && cur.guard == r.guard)
-            {
-                self.remove_raw(o);
-                self.insert_free(o, r.len, g);
-                continue;
-            }
-            let Some((&start, &cur)) = self.free.range(..=o).next_back() else {
-                continue;
-            };
-            if start + cur.len <= o {
-                continue;
-            }
-            if let Some(g) = upgrade(cur.guard) {
-                self.remove_raw(start);
-                self.insert_free(start, cur.len, g);
-            }
-        }
+        self.apply_settled(changed, upgrade);
     }
 
     /// Every free range, for a pass over all of them.
