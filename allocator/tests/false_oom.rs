@@ -6,15 +6,11 @@
 mod common;
 
 use common::*;
-use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tidepool::{PoolError, ReusePolicy};
-use tidepool_sys::{
-    AccessDesc, Device, DevicePtr, Event, HostDevice, HostTask, MemInfo, Physical, PhysicalOptions,
-    Stream, SysError, SysResult,
-};
+use tidepool_sys::{Device, DevicePtr, Event, HostDevice, Stream, SysError, SysResult};
 
 const MIB: usize = 1 << 20;
 
@@ -149,57 +145,10 @@ impl FinishesWhenAsked {
     }
 }
 
-impl Device for FinishesWhenAsked {
-    fn backend_name(&self) -> &'static str {
-        self.inner.backend_name()
-    }
-    fn ordinal(&self) -> i32 {
-        self.inner.ordinal()
-    }
-    fn granularity(&self) -> usize {
-        self.inner.granularity()
-    }
-    fn reserve_va(&self, size: usize, alignment: usize) -> SysResult<DevicePtr> {
-        self.inner.reserve_va(size, alignment)
-    }
-    fn free_va(&self, ptr: DevicePtr, size: usize) -> SysResult<()> {
-        self.inner.free_va(ptr, size)
-    }
-    fn create_physical(&self, size: usize, options: PhysicalOptions) -> SysResult<Physical> {
-        self.inner.create_physical(size, options)
-    }
-    fn release_physical(&self, handle: Physical) -> SysResult<()> {
-        self.inner.release_physical(handle)
-    }
-    fn map(&self, ptr: DevicePtr, size: usize, handle: Physical, offset: usize) -> SysResult<()> {
-        self.inner.map(ptr, size, handle, offset)
-    }
-    fn unmap(&self, ptr: DevicePtr, size: usize) -> SysResult<()> {
-        self.inner.unmap(ptr, size)
-    }
-    fn set_access(&self, ptr: DevicePtr, size: usize, access: &[AccessDesc]) -> SysResult<()> {
-        self.inner.set_access(ptr, size, access)
-    }
-    fn export_fd(&self, handle: Physical) -> SysResult<OwnedFd> {
-        self.inner.export_fd(handle)
-    }
-    fn import_fd(&self, fd: OwnedFd, size: usize) -> SysResult<Physical> {
-        self.inner.import_fd(fd, size)
-    }
-    fn mem_info(&self) -> SysResult<MemInfo> {
-        self.inner.mem_info()
-    }
-    fn create_stream(&self) -> SysResult<Stream> {
-        self.inner.create_stream()
-    }
-    fn destroy_stream(&self, stream: Stream) -> SysResult<()> {
-        self.inner.destroy_stream(stream)
-    }
-    fn default_stream(&self) -> Stream {
-        self.inner.default_stream()
-    }
-    fn adopt_stream(&self, raw: usize) -> SysResult<Stream> {
-        self.inner.adopt_stream(raw)
+impl common::wrap::Hooks for FinishesWhenAsked {
+    type Inner = HostDevice;
+    fn inner(&self) -> &HostDevice {
+        &self.inner
     }
     fn synchronize_stream(&self, stream: Stream) -> SysResult<()> {
         self.finish();
@@ -208,24 +157,6 @@ impl Device for FinishesWhenAsked {
     fn synchronize_device(&self) -> SysResult<()> {
         self.finish();
         self.inner.synchronize_device()
-    }
-    fn query_stream(&self, stream: Stream) -> SysResult<bool> {
-        self.inner.query_stream(stream)
-    }
-    fn is_capturing(&self, stream: Stream) -> SysResult<bool> {
-        self.inner.is_capturing(stream)
-    }
-    fn stream_probe(
-        &self,
-        stream: Stream,
-    ) -> SysResult<Option<std::sync::Arc<dyn tidepool_sys::StreamProbe>>> {
-        self.inner.stream_probe(stream)
-    }
-    fn create_event(&self) -> SysResult<Event> {
-        self.inner.create_event()
-    }
-    fn record_event(&self, event: Event, stream: Stream) -> SysResult<()> {
-        self.inner.record_event(event, stream)
     }
     fn query_event(&self, event: Event) -> SysResult<bool> {
         if self.queries.fetch_add(1, Ordering::SeqCst) >= 1 {
@@ -237,48 +168,9 @@ impl Device for FinishesWhenAsked {
         self.finish();
         self.inner.synchronize_event(event)
     }
-    fn destroy_event(&self, event: Event) -> SysResult<()> {
-        self.inner.destroy_event(event)
-    }
-    fn wait_event(&self, stream: Stream, event: Event) -> SysResult<()> {
-        self.inner.wait_event(stream, event)
-    }
-    fn launch_host(&self, stream: Stream, task: HostTask) -> SysResult<()> {
-        self.inner.launch_host(stream, task)
-    }
-
-    fn capture_status(&self, stream: Stream) -> SysResult<tidepool_sys::CaptureStatus> {
-        self.inner.capture_status(stream)
-    }
-    fn graph_alloc(&self, stream: Stream, size: usize) -> SysResult<tidepool_sys::DevicePtr> {
-        self.inner.graph_alloc(stream, size)
-    }
-    fn graph_free(&self, stream: Stream, ptr: tidepool_sys::DevicePtr) -> SysResult<()> {
-        self.inner.graph_free(stream, ptr)
-    }
-    fn begin_capture(&self, stream: Stream, mode: tidepool_sys::CaptureMode) -> SysResult<()> {
-        self.inner.begin_capture(stream, mode)
-    }
-    fn end_capture(&self, stream: Stream) -> SysResult<tidepool_sys::Graph> {
-        self.inner.end_capture(stream)
-    }
-    fn instantiate_graph(
-        &self,
-        graph: tidepool_sys::Graph,
-        options: tidepool_sys::GraphOptions,
-    ) -> SysResult<tidepool_sys::GraphExec> {
-        self.inner.instantiate_graph(graph, options)
-    }
-    fn launch_graph(&self, exec: tidepool_sys::GraphExec, stream: Stream) -> SysResult<()> {
-        self.inner.launch_graph(exec, stream)
-    }
-    fn destroy_graph(&self, graph: tidepool_sys::Graph) -> SysResult<()> {
-        self.inner.destroy_graph(graph)
-    }
-    fn destroy_graph_exec(&self, exec: tidepool_sys::GraphExec) -> SysResult<()> {
-        self.inner.destroy_graph_exec(exec)
-    }
 }
+
+common::wrap::wrapped_device!(FinishesWhenAsked);
 
 /// Rule: a request for the whole cap after same-stream frees succeeds.
 /// The frees are safe for the stream in stream order, but joining their

@@ -3,6 +3,8 @@
 //! ordering probes.
 #![allow(dead_code)]
 
+pub mod wrap;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
