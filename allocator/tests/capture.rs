@@ -56,6 +56,22 @@ fn watch() -> Arc<Watch> {
     })
 }
 
+/// The watch itself: a call the rules forbid, made on a capturing stream
+/// through the wrapped device, is noted (so the empty lists asserted below
+/// mean the pool made none, not that the watch saw nothing).
+#[test]
+fn the_watch_notes_a_forbidden_call() {
+    let dev = watch();
+    let s = streams(&*dev, 1)[0];
+    let e = dev.create_event().unwrap();
+    dev.inner.set_capturing(s, true);
+    let _ = dev.record_event(e, s);
+    let _ = dev.query_stream(s);
+    dev.inner.set_capturing(s, false);
+    assert_eq!(dev.violations().len(), 2, "{:?}", dev.violations());
+    dev.destroy_event(e).unwrap();
+}
+
 /// Rule: while S is captured, other streams' allocations (which look for
 /// completed frees everywhere, including S's), trims, internal
 /// dependencies and stream synchronisations never record an event on S
