@@ -978,6 +978,7 @@ impl Device for HostDevice {
                 ),
             ));
         }
+        crate::validate::check_whole_handle(op, offset, size, phys.size)?;
         let mut vm = write(&self.vm);
         if vm.reservation_containing(ptr, size).is_none() {
             return Err(invalid(

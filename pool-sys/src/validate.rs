@@ -32,6 +32,30 @@ pub(crate) fn check_size(op: Op, size: usize, granularity: usize) -> SysResult<(
     check_granular(op, "size", size as u64, granularity)
 }
 
+/// A map covers one whole physical handle: offset 0 and the handle's full
+/// size. The driver refuses anything else with "not supported" (checked on
+/// an H200: a part of a handle, or a non-zero offset, cannot be mapped),
+/// so the host backend refuses it too and a design that maps parts of
+/// handles fails on the CPU as it would on the GPU. Called after the
+/// bounds check (`offset + size` within the handle).
+pub(crate) fn check_whole_handle(
+    op: Op,
+    offset: usize,
+    size: usize,
+    handle_size: usize,
+) -> SysResult<()> {
+    if offset != 0 || size != handle_size {
+        return Err(SysError::Unsupported {
+            op,
+            reason: format!(
+                "a physical handle maps only whole: offset 0 and its size {handle_size:#x}, \
+                 not offset {offset:#x} and size {size:#x}"
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// Bits of a stream id that count streams within one device instance; the
 /// bits above name the instance, so that a stream of another instance is
 /// told apart from a destroyed one.

@@ -70,18 +70,19 @@ fn failed_call_does_not_reach_the_inner_device() {
 fn fail_from_fails_every_call_from_n_until_cleared() {
     let f = injector();
     let va = f.reserve_va(8 * GRAN, 0).unwrap();
-    let h = f
-        .create_physical(8 * GRAN, PhysicalOptions::default())
-        .unwrap();
+    // One handle a page: a handle maps only whole.
+    let h: Vec<_> = (0..8)
+        .map(|_| f.create_physical(GRAN, PhysicalOptions::default()).unwrap())
+        .collect();
     f.fail_from(Op::Map, 2, injected(Op::Map, 0));
     let at = |i: usize| va + (i * GRAN) as u64;
-    assert!(f.map(at(0), GRAN, h, 0).is_ok());
-    for i in 1..5 {
-        assert_eq!(f.map(at(i), GRAN, h, i * GRAN), Err(injected(Op::Map, 0)));
+    assert!(f.map(at(0), GRAN, h[0], 0).is_ok());
+    for (i, &hi) in h.iter().enumerate().take(5).skip(1) {
+        assert_eq!(f.map(at(i), GRAN, hi, 0), Err(injected(Op::Map, 0)));
     }
     assert_eq!(f.inner().live_mappings(), 1);
     f.clear();
-    assert!(f.map(at(1), GRAN, h, GRAN).is_ok());
+    assert!(f.map(at(1), GRAN, h[1], 0).is_ok());
     assert_eq!(f.calls(Op::Map), 6);
     assert_eq!(f.inner().live_mappings(), 2);
 }

@@ -725,6 +725,7 @@ impl Device for CudaDevice {
                 ),
             ));
         }
+        crate::validate::check_whole_handle(op, offset, size, phys.size)?;
         let mut vm = self.vm();
         if vm.reservation_containing(ptr, size).is_none() {
             return Err(invalid(
