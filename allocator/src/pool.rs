@@ -741,13 +741,25 @@ impl<D: Device> MemPool<D> {
         inner.release_to_threshold()
     }
 
-    /// Block until every stream the pool has seen is idle; then release
-    /// down to the threshold.
+    /// Block until every stream the pool has seen is idle (a retired
+    /// stream: until its last frees are complete); then release down to
+    /// the threshold.
     pub fn synchronize(&self) -> Result<(), PoolError> {
         let inner = &*self.inner;
         for (id, entry) in inner.order.all_streams() {
-            let stream = lock(&entry.state).stream;
-            if lock(&entry.state).retired {
+            let (stream, retired, last) = {
+                let st = lock(&entry.state);
+                (st.stream, st.retired, st.recorded.back().cloned())
+            };
+            if retired {
+                // Its driver stream may be gone, but the event that closed
+                // its last epoch can still be waited for (an epoch it left
+                // open with no event is settled by the device-wide wait
+                // below, or belongs to a capture and stays pending).
+                if let Some(last) = last {
+                    inner.device.synchronize_event(last.event)?;
+                    inner.mark_synced(id, last.epoch);
+                }
                 continue;
             }
             // A stream whose state cannot be learned is an error: returning

@@ -5,9 +5,10 @@ mod common;
 
 use common::*;
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use tidepool::{default_pool, MemPool, ReusePolicy, ALIGNMENT};
-use tidepool_sys::{Device, DevicePtr};
+use tidepool_sys::{Device, DevicePtr, Event, HostDevice, Stream, SysResult};
 
 /// Rule: alloc returns at once (even on a busy stream) with a pointer
 /// aligned to at least 256 (the pool promises 512); size 0 is a null
@@ -104,6 +105,73 @@ fn release_threshold_zero_releases_on_synchronize() {
         assert_eq!(pool.stats().reserved_current, 0);
         assert_eq!(dev.live_handles(), 0);
     }
+}
+
+/// A host device with one blocked stream whose work runs only once the
+/// pool waits on the device (a stream, an event or the whole device): a
+/// synchronisation that skips that stream leaves its work queued.
+struct ReleasesOnWait {
+    inner: HostDevice,
+    blocker: Mutex<Option<Blocker>>,
+}
+
+impl ReleasesOnWait {
+    fn release(&self) {
+        if let Some(mut b) = self.blocker.lock().unwrap().take() {
+            b.release();
+        }
+    }
+}
+
+impl common::wrap::Hooks for ReleasesOnWait {
+    type Inner = HostDevice;
+    fn inner(&self) -> &HostDevice {
+        &self.inner
+    }
+    fn synchronize_stream(&self, stream: Stream) -> SysResult<()> {
+        self.release();
+        self.inner.synchronize_stream(stream)
+    }
+    fn synchronize_event(&self, event: Event) -> SysResult<()> {
+        self.release();
+        self.inner.synchronize_event(event)
+    }
+    fn synchronize_device(&self) -> SysResult<()> {
+        self.release();
+        self.inner.synchronize_device()
+    }
+}
+
+common::wrap::wrapped_device!(ReleasesOnWait);
+
+/// Rule: `synchronize` waits for every stream the pool has seen, retired
+/// ones included, so that afterwards their frees are complete and
+/// `trim_to(0)` gives everything back.
+/// Catches: a synchronisation that skips retired streams (their last frees
+/// stay pending and trim keeps their pages).
+#[test]
+fn synchronize_waits_for_retired_streams_too() {
+    let dev = Arc::new(ReleasesOnWait {
+        inner: host(),
+        blocker: Mutex::new(None),
+    });
+    let pool = pool(&dev, config());
+    let s = dev.create_stream().unwrap();
+    let a = pool.alloc_async(PAGE, s).unwrap();
+    let blocker = Blocker::on(&dev.inner, s);
+    let ran = blocker.flag();
+    *dev.blocker.lock().unwrap() = Some(blocker);
+    pool.free_async(a, s).unwrap();
+    pool.retire_stream(s).unwrap();
+    pool.synchronize().unwrap();
+    let waited = ran.load(Ordering::SeqCst);
+    dev.release();
+    assert!(
+        waited,
+        "synchronize returned while the retired stream's work was queued"
+    );
+    assert_eq!(pool.trim_to(0).unwrap(), PAGE as u64);
+    assert_eq!(pool.stats().reserved_current, 0);
 }
 
 /// Rule: default threshold keeps everything across synchronisations; a
