@@ -13,6 +13,9 @@
 //! interprocess events) keep that default unless passed as extra items:
 //! `wrapped_device!(Type, { fn device_count(&self) -> ... })`.
 
+// Every test binary includes this module; most use none of its macros.
+#![allow(unused_macros, unused_imports)]
+
 use tidepool_sys::Device;
 
 /// Hands `$callback` the signature of every forwarded device call (after
