@@ -157,8 +157,10 @@ const SMALL_CACHE_MAX: usize = 64 << 10;
 
 /// A stream's private cache: same-stream frees by exact block length. The
 /// lengths a stream frees most often are small, and those are found by
-/// indexing an array with `len / 512` (no hashing); longer blocks go to a
-/// map keyed by length.
+/// indexing an array with `len / 512` (no hashing). Longer blocks go to
+/// one slot kept for the last long length cached (a stream that frees and
+/// reallocates one long block finds it with one comparison, as a short
+/// one by indexing), and the other long lengths to a map keyed by length.
 ///
 /// The array is one allocation aligned to and sized in whole 128-byte
 /// pairs of cache lines, and each length's most recent block sits in it
@@ -170,6 +172,12 @@ const SMALL_CACHE_MAX: usize = 64 << 10;
 #[derive(Debug, Default)]
 pub(crate) struct SizeCache {
     small: Option<Box<SmallSlots>>,
+    /// The length of the blocks in `recent` (meaningless while it is
+    /// empty). A long length's blocks in `recent` are newer than those of
+    /// the same length in `large`: once `recent` holds a length, every
+    /// block of that length cached goes there.
+    recent_len: usize,
+    recent: Slot,
     large: HashMap<usize, Vec<CachedBlock>, BuildIntHasher>,
 }
 
@@ -200,6 +208,32 @@ impl Slot {
             self.older.push(prev);
         }
     }
+
+    #[inline]
+    fn is_empty(&self) -> bool {
+        self.top.is_none() && self.older.is_empty()
+    }
+
+    /// The most recent block freed in epoch `epoch` or earlier.
+    fn take_covered(&mut self, epoch: u64) -> Option<CachedBlock> {
+        if self.top.is_some_and(|b| b.epoch <= epoch) {
+            let b = self.top.take();
+            self.top = self.older.pop();
+            return b;
+        }
+        let at = self.older.iter().rposition(|b| b.epoch <= epoch)?;
+        Some(self.older.remove(at))
+    }
+
+    /// Hand every block to `f`, oldest first (the list keeps its capacity).
+    fn drain(&mut self, mut f: impl FnMut(CachedBlock)) {
+        for b in self.older.drain(..) {
+            f(b);
+        }
+        if let Some(b) = self.top.take() {
+            f(b);
+        }
+    }
 }
 
 impl SizeCache {
@@ -213,39 +247,64 @@ impl SizeCache {
     pub fn pop(&mut self, len: usize) -> Option<CachedBlock> {
         match Self::small_slot(len) {
             Some(i) => self.small.as_mut()?.0[i].pop(),
-            None => self.large.get_mut(&len)?.pop(),
+            None if len == self.recent_len => match self.recent.pop() {
+                Some(b) => Some(b),
+                None => self.pop_large(len),
+            },
+            None => self.pop_large(len),
         }
+    }
+
+    #[inline(never)]
+    fn pop_large(&mut self, len: usize) -> Option<CachedBlock> {
+        self.large.get_mut(&len)?.pop()
     }
 
     #[inline]
     pub fn push(&mut self, len: usize, block: CachedBlock) {
         match Self::small_slot(len) {
-            Some(i) => self
-                .small
-                .get_or_insert_with(|| {
-                    Box::new(SmallSlots(std::array::from_fn(|_| Slot::default())))
-                })
-                .0[i]
-                .push(block),
-            None => self.large.entry(len).or_default().push(block),
+            Some(i) => match &mut self.small {
+                Some(small) => small.0[i].push(block),
+                None => self.first_small(i, block),
+            },
+            None if len == self.recent_len => self.recent.push(block),
+            None => self.push_large(len, block),
         }
+    }
+
+    /// A long block of another length than `recent`'s: into `recent` when
+    /// it is empty (it then keeps this length), else into the map.
+    #[inline(never)]
+    fn push_large(&mut self, len: usize, block: CachedBlock) {
+        if self.recent.is_empty() {
+            self.recent_len = len;
+            self.recent.push(block);
+        } else {
+            self.large.entry(len).or_default().push(block);
+        }
+    }
+
+    /// The first small block: the slots are made (out of line: a 6 KiB
+    /// array the hot path should not carry in its frame).
+    #[cold]
+    #[inline(never)]
+    fn first_small(&mut self, i: usize, block: CachedBlock) {
+        let mut small = Box::new(SmallSlots(std::array::from_fn(|_| Slot::default())));
+        small.0[i].push(block);
+        self.small = Some(small);
     }
 
     /// The most recently cached block of exactly `len` bytes freed in
     /// epoch `epoch` or earlier.
     pub fn take_covered(&mut self, len: usize, epoch: u64) -> Option<CachedBlock> {
         match Self::small_slot(len) {
-            Some(i) => {
-                let slot = &mut self.small.as_mut()?.0[i];
-                if slot.top.is_some_and(|b| b.epoch <= epoch) {
-                    let b = slot.top.take();
-                    slot.top = slot.older.pop();
-                    return b;
-                }
-                let at = slot.older.iter().rposition(|b| b.epoch <= epoch)?;
-                Some(slot.older.remove(at))
-            }
+            Some(i) => self.small.as_mut()?.0[i].take_covered(epoch),
             None => {
+                if len == self.recent_len {
+                    if let Some(b) = self.recent.take_covered(epoch) {
+                        return Some(b);
+                    }
+                }
                 let list = self.large.get_mut(&len)?;
                 let at = list.iter().rposition(|b| b.epoch <= epoch)?;
                 Some(list.remove(at))
@@ -259,12 +318,7 @@ impl SizeCache {
         if let Some(small) = self.small.as_mut() {
             for (i, slot) in small.0.iter_mut().enumerate() {
                 let len = (i + 1) * CACHE_GRAIN;
-                for b in slot.older.drain(..) {
-                    f(len, b);
-                }
-                if let Some(b) = slot.top.take() {
-                    f(len, b);
-                }
+                slot.drain(|b| f(len, b));
             }
         }
         for (len, blocks) in self.large.drain() {
@@ -272,6 +326,8 @@ impl SizeCache {
                 f(len, b);
             }
         }
+        let len = self.recent_len;
+        self.recent.drain(|b| f(len, b));
     }
 }
 
@@ -473,6 +529,18 @@ impl StreamEntry {
         StreamEntry {
             state: LeanMutex::new(StreamState::new(stream)),
             probe,
+        }
+    }
+
+    /// [`StreamEntry::runs`] as a plain answer, for the fast paths: `true`
+    /// when the stream runs its work; `false` when it is captured,
+    /// destroyed, or the question failed (the slow path asks again and
+    /// says which).
+    #[inline]
+    pub fn runs_now<D: Device>(&self, device: &D, stream: Stream, check_capture: bool) -> bool {
+        match &self.probe {
+            Some(p) => p.runs(check_capture),
+            None => matches!(self.runs(device, stream, check_capture), Ok(true)),
         }
     }
 
@@ -885,9 +953,14 @@ impl<D: Device> StreamOrder<D> {
     #[inline]
     pub fn note_busy(&self, st: &mut StreamState) {
         if !st.listed {
-            st.listed = true;
-            lock(&self.busy).push(st.stream.id());
+            self.list_busy(st);
         }
+    }
+
+    #[cold]
+    fn list_busy(&self, st: &mut StreamState) {
+        st.listed = true;
+        lock(&self.busy).push(st.stream.id());
     }
 
     /// Run `f` on every busy stream (id, state under its lock), and drop
@@ -1262,6 +1335,45 @@ impl<D: Device> StreamOrder<D> {
 mod tests {
     use super::*;
     use tidepool_sys::{FaultInjector, HostConfig, HostDevice, Op};
+
+    /// Long lengths: the slot of the last long length cached and the map
+    /// together hand out every block once, the newest first within a
+    /// length, and `take_covered` and `drain` see both.
+    #[test]
+    fn size_cache_long_lengths_keep_every_block() {
+        let (a, b) = (2 << 20, 16 << 20);
+        let blk = |offset, epoch| CachedBlock { offset, epoch };
+        let off = |x: Option<CachedBlock>| x.map(|x| x.offset);
+        let mut c = SizeCache::default();
+        c.push(a, blk(1, 1)); // the slot takes a
+        c.push(b, blk(2, 1)); // the map
+        c.push(a, blk(3, 2)); // the slot
+        assert_eq!(off(c.pop(a)), Some(3));
+        assert_eq!(off(c.pop(a)), Some(1));
+        assert_eq!(off(c.pop(a)), None);
+        // The slot is empty: it takes b, newer than the map's b.
+        c.push(b, blk(4, 3));
+        assert_eq!(off(c.pop(b)), Some(4));
+        c.push(b, blk(5, 4)); // the slot
+        c.push(a, blk(6, 5)); // the map (the slot holds b)
+                              // Only the map's b is from epoch 1 or earlier.
+        assert_eq!(off(c.take_covered(b, 1)), Some(2));
+        assert_eq!(off(c.take_covered(b, 3)), None);
+        let mut all = Vec::new();
+        c.drain(|len, x| all.push((len, x.offset)));
+        all.sort_unstable();
+        assert_eq!(all, [(a, 6), (b, 5)]);
+        assert_eq!((off(c.pop(a)), off(c.pop(b))), (None, None));
+        // An older block of the slot's length in the map is found once the
+        // slot's are gone.
+        c.push(b, blk(7, 6)); // the slot takes b
+        c.push(a, blk(8, 6)); // the map
+        assert_eq!(off(c.pop(b)), Some(7));
+        c.push(a, blk(9, 7)); // the slot takes a
+        assert_eq!(off(c.pop(a)), Some(9));
+        assert_eq!(off(c.pop(a)), Some(8));
+        assert_eq!(off(c.pop(a)), None);
+    }
 
     /// A failed record leaves the epoch open (its frees stay uncovered, so
     /// a later pass records again) and gives the event back: the next

@@ -346,46 +346,16 @@ impl<D: Device> MemPool<D> {
         stream: Stream,
         serve_capture: bool,
     ) -> Result<Allocation, PoolError> {
-        let inner = &*self.inner;
-        if size == 0 {
-            // No memory, but the stream is named all the same: refuse a
-            // destroyed stream or another device's as for any size.
-            inner.device.check_stream(stream)?;
-            Counters::bump(&inner.counters.zero_allocs);
-            return Ok(Allocation {
-                ptr: 0,
-                size: 0,
-                len: 0,
-                stream,
-                pool: inner.id,
-                uses: Vec::new(),
-                capture: CaptureTag::Eager,
-            });
-        }
-        let len = match round_up(size, ALIGNMENT) {
-            Some(len) if len <= inner.va_size => len,
-            _ => {
-                return Err(PoolError::TooLarge {
-                    requested: size,
-                    limit: inner.va_size,
-                })
-            }
-        };
-        let check = inner.capture_check_needed();
         // Fast path: a same-size block from the stream's own cache, the
-        // entry found in this thread's recent entries.
-        let fast = inner
-            .order
-            .with_recent_entry(stream, |e| inner.alloc_cached(e, stream, size, len, check));
-        let checked = match fast {
-            Some(Ok(Fast::Done(offset))) => {
-                return Ok(self.allocation_at(offset, size, len, stream))
-            }
-            Some(Ok(Fast::Miss)) => true,
-            Some(Ok(Fast::Capturing)) | None => false,
-            Some(Err(e)) => return Err(e),
+        // entry found in this thread's recent entries. It changes nothing
+        // unless it returns a block, so everything else (sizes 0 and too
+        // large, errors, capture) is the slow path's, from the start.
+        let checked = match self.inner.alloc_hit(size, stream) {
+            Hit::Block { offset, len } => return Ok(self.allocation_at(offset, size, len, stream)),
+            Hit::Miss => true,
+            Hit::Other => false,
         };
-        self.alloc_slow(size, len, stream, serve_capture, check, checked)
+        self.alloc_slow(size, stream, serve_capture, checked)
     }
 
     /// The handle of a pool block at `offset`.
@@ -413,13 +383,36 @@ impl<D: Device> MemPool<D> {
     fn alloc_slow(
         &self,
         size: usize,
-        len: usize,
         stream: Stream,
         serve_capture: bool,
-        check: bool,
         checked: bool,
     ) -> Result<Allocation, PoolError> {
         let inner = &*self.inner;
+        if size == 0 {
+            // No memory, but the stream is named all the same: refuse a
+            // destroyed stream or another device's as for any size.
+            inner.device.check_stream(stream)?;
+            Counters::bump(&inner.counters.zero_allocs);
+            return Ok(Allocation {
+                ptr: 0,
+                size: 0,
+                len: 0,
+                stream,
+                pool: inner.id,
+                uses: Vec::new(),
+                capture: CaptureTag::Eager,
+            });
+        }
+        let len = match round_up(size, ALIGNMENT) {
+            Some(len) if len <= inner.va_size => len,
+            _ => {
+                return Err(PoolError::TooLarge {
+                    requested: size,
+                    limit: inner.va_size,
+                })
+            }
+        };
+        let check = inner.capture_check_needed();
         if !checked && check {
             // A capturing stream gets graph memory (see `capture.rs`).
             if let AllocRoute::Graph(id) = crate::capture::alloc_route(&*inner.device, stream)? {
@@ -507,6 +500,23 @@ impl<D: Device> MemPool<D> {
     /// ```
     #[inline]
     pub fn free_async(&self, allocation: Allocation, stream: Stream) -> Result<(), FreeError> {
+        // Fast path: an eager block with no declared uses, into the
+        // cache (or to the arena) of a running stream this thread used
+        // recently. It changes nothing unless it frees, so everything else
+        // is the slow path's, from the start.
+        if self.inner.free_hit(&allocation, stream) {
+            return Ok(());
+        }
+        self.free_slow(allocation, stream)
+    }
+
+    /// Every free but an eager block with no declared uses, on a running
+    /// stream this thread used recently: another pool's allocation, size
+    /// 0, graph memory, a capture check that refuses, declared uses,
+    /// exported memory, the table lookup.
+    #[cold]
+    #[inline(never)]
+    fn free_slow(&self, mut allocation: Allocation, stream: Stream) -> Result<(), FreeError> {
         let inner = &*self.inner;
         let fail = |error, allocation| Err(FreeError { error, allocation });
         if allocation.pool != inner.id {
@@ -529,34 +539,6 @@ impl<D: Device> MemPool<D> {
             };
         }
         let check = inner.capture_check_needed();
-        if allocation.capture == CaptureTag::Eager && allocation.uses.is_empty() {
-            // Fast path: into the stream's own cache, the entry found in
-            // this thread's recent entries.
-            let fast = inner
-                .order
-                .with_recent_entry(stream, |e| inner.free_cached(e, stream, &allocation, check));
-            match fast {
-                Some(Ok(true)) => return Ok(()),
-                Some(Ok(false)) | None => {}
-                Some(Err(e)) => return fail(e, allocation),
-            }
-        }
-        self.free_slow(allocation, stream, check)
-    }
-
-    /// Every free but one of an eager block with no declared uses, on a
-    /// running stream this thread used recently: a capture check that
-    /// refuses, declared uses, exported memory, the table lookup.
-    #[cold]
-    #[inline(never)]
-    fn free_slow(
-        &self,
-        mut allocation: Allocation,
-        stream: Stream,
-        check: bool,
-    ) -> Result<(), FreeError> {
-        let inner = &*self.inner;
-        let fail = |error, allocation| Err(FreeError { error, allocation });
         if check {
             // No pool block is freed inside a capture (see `capture.rs`).
             if let Err(e) = crate::capture::check_eager_free(&*inner.device, stream) {
@@ -1081,13 +1063,15 @@ pub fn default_pool<D: Device>(device: &Arc<D>) -> Result<MemPool<D>, PoolError>
 }
 
 /// What the fast path of an allocation found.
-enum Fast {
-    /// A block at this offset.
-    Done(usize),
-    /// The stream runs its work and its cache has no block of the size.
+enum Hit {
+    /// A block at `offset`, `len` bytes long.
+    Block { offset: usize, len: usize },
+    /// The stream runs its work, is not retired, and its cache has no
+    /// block of the size: the slow path need not ask again.
     Miss,
-    /// The stream is being captured.
-    Capturing,
+    /// Anything else (size 0 or too large, the entry not at hand, a
+    /// stream that is captured, destroyed or retired): nothing was done.
+    Other,
 }
 
 impl<D: Device> PoolInner<D> {
@@ -1100,65 +1084,80 @@ impl<D: Device> PoolInner<D> {
         self.capture_gate.load(Ordering::Relaxed) != 0
     }
 
-    /// The fast path of an allocation, on the entry this thread found at
-    /// hand: ask whether the stream runs its work (through the entry's
-    /// probe: the capture query in strict mode, only the liveness flag
-    /// otherwise), then take a block of exactly `len` bytes from its cache.
+    /// The fast path of an allocation: on the entry this thread has at
+    /// hand, ask whether the stream runs its work (through the entry's
+    /// probe: the capture query while the capture gate is set, only the
+    /// liveness flag otherwise), then take a block of exactly the rounded
+    /// length from its cache. Changes nothing unless it returns a block.
     #[inline]
-    fn alloc_cached(
-        &self,
-        entry: &StreamEntry,
-        stream: Stream,
-        size: usize,
-        len: usize,
-        check: bool,
-    ) -> Result<Fast, PoolError> {
-        if !entry.runs(&*self.device, stream, check)? {
-            return Ok(Fast::Capturing);
+    fn alloc_hit(&self, size: usize, stream: Stream) -> Hit {
+        // Sizes 1 ..= va_size; the rest (0, too large) is the slow path's.
+        if size.wrapping_sub(1) >= self.va_size {
+            return Hit::Other;
         }
-        Ok(match self.take_cached(entry, stream, size, len)? {
-            Some(offset) => Fast::Done(offset),
-            None => Fast::Miss,
-        })
+        // No overflow: size <= va_size, itself a rounded usize.
+        let len = (size + (ALIGNMENT - 1)) & !(ALIGNMENT - 1);
+        let check = self.capture_check_needed();
+        let hit = self.order.with_recent_entry(stream, |e| {
+            if !e.runs_now(&*self.device, stream, check) {
+                return Hit::Other;
+            }
+            let mut st = lock(&e.state);
+            if st.retired {
+                return Hit::Other;
+            }
+            let Some(block) = st.cache.pop(len) else {
+                return Hit::Miss;
+            };
+            st.cached_bytes -= len;
+            let missing = self.counters.on_alloc(&mut st.counters, size as u64, true);
+            drop(st);
+            self.claim_headroom(missing);
+            tracing::trace!(
+                pool = self.id,
+                size,
+                stream = stream.id(),
+                "alloc (stream cache)"
+            );
+            Hit::Block {
+                offset: block.offset,
+                len,
+            }
+        });
+        hit.unwrap_or(Hit::Other)
     }
 
-    /// The fast path of a free of an eager block with no declared uses, on
-    /// the entry this thread found at hand: `Ok(true)` when done; `Ok(false)`
-    /// when the stream is being captured (the slow path says why that is
-    /// refused) or the memory is exported.
+    /// The fast path of a free: an eager block of this pool with no
+    /// declared uses, while the pool exports nothing, on a running stream
+    /// whose entry this thread has at hand: into the stream's cache (or
+    /// to the arena when the cache is full). `true` when done; otherwise
+    /// nothing was done and the slow path takes the free from the start.
     #[inline]
-    fn free_cached(
-        &self,
-        entry: &StreamEntry,
-        stream: Stream,
-        allocation: &Allocation,
-        check: bool,
-    ) -> Result<bool, PoolError> {
-        if !entry.runs(&*self.device, stream, check)? {
-            return Ok(false);
+    fn free_hit(&self, a: &Allocation, stream: Stream) -> bool {
+        if a.pool != self.id
+            || a.len == 0
+            || a.capture != CaptureTag::Eager
+            || !a.uses.is_empty()
+            || self.share.exports_any()
+        {
+            return false;
         }
-        // Exported: refused while another process maps it; the close is
-        // undone if the free fails below (see share.rs).
-        let closed = self.share.check_free(allocation.ptr)?;
-        let offset = (allocation.ptr - self.base) as usize;
-        let (len, size) = (allocation.len, allocation.size as u64);
-        let spill = match self.stash_free(entry, stream, offset, len, size) {
-            Ok(spill) => spill,
-            Err(e) => {
-                self.share.reopen(closed);
-                return Err(e);
+        let check = self.capture_check_needed();
+        let done = self.order.with_recent_entry(stream, |e| {
+            if !e.runs_now(&*self.device, stream, check) {
+                return false;
             }
-        };
-        if let Some(epoch) = spill {
-            self.spill(stream, offset, len, epoch);
-        }
-        tracing::trace!(
-            pool = self.id,
-            size = allocation.size,
-            stream = stream.id(),
-            "free"
-        );
-        Ok(true)
+            let offset = (a.ptr - self.base) as usize;
+            match self.stash_free(e, stream, offset, a.len, a.size as u64) {
+                Ok(None) => {}
+                Ok(Some(epoch)) => self.spill(stream, offset, a.len, epoch),
+                // Retired: the slow path reports it.
+                Err(_) => return false,
+            }
+            tracing::trace!(pool = self.id, size = a.size, stream = stream.id(), "free");
+            true
+        });
+        done.unwrap_or(false)
     }
 
     /// A free that does not go to the stream's cache goes to the arena;
