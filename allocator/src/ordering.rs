@@ -35,7 +35,9 @@
 
 use crate::arena::{Arena, Guard};
 use crate::error::PoolError;
-use crate::sync::{lock, Arc, AtomicBool, LeanMutex, Mutex, Ordering, RwLock};
+use crate::sync::{
+    lock, slot_ref, Arc, AtomicBool, LeanMutex, Mutex, OnceSlots, Ordering, RwLock, SlotRef,
+};
 use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 use tidepool_sys::{Device, Event, Stream, StreamProbe, SysError, SysResult};
@@ -155,29 +157,29 @@ const CACHE_GRAIN: usize = 512;
 /// [`SizeCache`] (one slot per multiple of 512 bytes: 128 slots).
 const SMALL_CACHE_MAX: usize = 64 << 10;
 
-/// A stream's private cache: same-stream frees by exact block length. The
-/// lengths a stream frees most often are small, and those are found by
-/// indexing an array with `len / 512` (no hashing). Longer blocks go to
-/// one slot kept for the last long length cached (a stream that frees and
-/// reallocates one long block finds it with one comparison, as a short
-/// one by indexing), and the other long lengths to a map keyed by length.
+/// A stream's private cache: same-stream frees by exact block length.
+/// The length cached last has a slot of its own, `last`: a stream that
+/// frees and reallocates blocks of one length, whatever it is, finds them
+/// with one comparison. Other lengths up to 64 KiB are found by indexing
+/// an array with `len / 512` (no hashing), longer ones in a map keyed by
+/// length.
 ///
 /// The array is one allocation aligned to and sized in whole 128-byte
 /// pairs of cache lines, and each length's most recent block sits in it
 /// (older ones in a list beside it): a stream whose thread frees and
-/// reallocates one block of a size writes only into its own lines, even
-/// when another thread made the cache (the first free on each stream,
-/// say) and the allocator placed the caches of several streams side by
-/// side.
+/// reallocates blocks of several sizes writes only into its own lines,
+/// even when another thread made the cache (the first free on each
+/// stream, say) and the allocator placed the caches of several streams
+/// side by side.
 #[derive(Debug, Default)]
 pub(crate) struct SizeCache {
+    /// The length of the blocks in `last` (meaningless while it is
+    /// empty). Blocks in `last` are newer than those of the same length
+    /// elsewhere: once `last` holds a length, every block of that length
+    /// cached goes there, and `last` takes another length only when empty.
+    last_len: usize,
+    last: Slot,
     small: Option<Box<SmallSlots>>,
-    /// The length of the blocks in `recent` (meaningless while it is
-    /// empty). A long length's blocks in `recent` are newer than those of
-    /// the same length in `large`: once `recent` holds a length, every
-    /// block of that length cached goes there.
-    recent_len: usize,
-    recent: Slot,
     large: HashMap<usize, Vec<CachedBlock>, BuildIntHasher>,
 }
 
@@ -197,12 +199,12 @@ struct Slot {
 }
 
 impl Slot {
-    #[inline]
+    #[inline(always)]
     fn pop(&mut self) -> Option<CachedBlock> {
         self.top.take().or_else(|| self.older.pop())
     }
 
-    #[inline]
+    #[inline(always)]
     fn push(&mut self, block: CachedBlock) {
         if let Some(prev) = self.top.replace(block) {
             self.older.push(prev);
@@ -237,50 +239,58 @@ impl Slot {
 }
 
 impl SizeCache {
-    #[inline]
+    #[inline(always)]
     fn small_slot(len: usize) -> Option<usize> {
-        (len <= SMALL_CACHE_MAX).then(|| len / CACHE_GRAIN - 1)
+        // `len` is a multiple of the grain, at least one grain: the slot
+        // is len / grain - 1, written so that the index is visibly in
+        // bounds (no check on the hot path).
+        (len <= SMALL_CACHE_MAX).then(|| (len.wrapping_sub(1) / CACHE_GRAIN) % SMALL_SLOTS)
     }
 
     /// The most recently cached block of exactly `len` bytes.
-    #[inline]
+    #[inline(always)]
     pub fn pop(&mut self, len: usize) -> Option<CachedBlock> {
+        if len == self.last_len {
+            if let Some(b) = self.last.pop() {
+                return Some(b);
+            }
+        }
+        self.pop_other(len)
+    }
+
+    /// [`SizeCache::pop`] past the `last` slot.
+    #[inline(never)]
+    fn pop_other(&mut self, len: usize) -> Option<CachedBlock> {
         match Self::small_slot(len) {
             Some(i) => self.small.as_mut()?.0[i].pop(),
-            None if len == self.recent_len => match self.recent.pop() {
-                Some(b) => Some(b),
-                None => self.pop_large(len),
-            },
-            None => self.pop_large(len),
+            None => self.large.get_mut(&len)?.pop(),
         }
     }
 
-    #[inline(never)]
-    fn pop_large(&mut self, len: usize) -> Option<CachedBlock> {
-        self.large.get_mut(&len)?.pop()
+    #[inline(always)]
+    pub fn push(&mut self, len: usize, block: CachedBlock) {
+        if len == self.last_len {
+            self.last.push(block);
+        } else {
+            self.push_other(len, block);
+        }
     }
 
-    #[inline]
-    pub fn push(&mut self, len: usize, block: CachedBlock) {
+    /// A block of another length than `last`'s: into `last` when it is
+    /// empty (it then keeps this length), else into the array or the map.
+    #[inline(never)]
+    fn push_other(&mut self, len: usize, block: CachedBlock) {
+        if self.last.is_empty() {
+            self.last_len = len;
+            self.last.push(block);
+            return;
+        }
         match Self::small_slot(len) {
             Some(i) => match &mut self.small {
                 Some(small) => small.0[i].push(block),
                 None => self.first_small(i, block),
             },
-            None if len == self.recent_len => self.recent.push(block),
-            None => self.push_large(len, block),
-        }
-    }
-
-    /// A long block of another length than `recent`'s: into `recent` when
-    /// it is empty (it then keeps this length), else into the map.
-    #[inline(never)]
-    fn push_large(&mut self, len: usize, block: CachedBlock) {
-        if self.recent.is_empty() {
-            self.recent_len = len;
-            self.recent.push(block);
-        } else {
-            self.large.entry(len).or_default().push(block);
+            None => self.large.entry(len).or_default().push(block),
         }
     }
 
@@ -297,14 +307,14 @@ impl SizeCache {
     /// The most recently cached block of exactly `len` bytes freed in
     /// epoch `epoch` or earlier.
     pub fn take_covered(&mut self, len: usize, epoch: u64) -> Option<CachedBlock> {
+        if len == self.last_len {
+            if let Some(b) = self.last.take_covered(epoch) {
+                return Some(b);
+            }
+        }
         match Self::small_slot(len) {
             Some(i) => self.small.as_mut()?.0[i].take_covered(epoch),
             None => {
-                if len == self.recent_len {
-                    if let Some(b) = self.recent.take_covered(epoch) {
-                        return Some(b);
-                    }
-                }
                 let list = self.large.get_mut(&len)?;
                 let at = list.iter().rposition(|b| b.epoch <= epoch)?;
                 Some(list.remove(at))
@@ -326,8 +336,8 @@ impl SizeCache {
                 f(len, b);
             }
         }
-        let len = self.recent_len;
-        self.recent.drain(|b| f(len, b));
+        let len = self.last_len;
+        self.last.drain(|b| f(len, b));
     }
 }
 
@@ -517,6 +527,12 @@ impl<D: Device> Drop for EventRecycler<D> {
 /// thread writes, however the entries land on the heap.
 #[repr(align(128))]
 pub(crate) struct StreamEntry {
+    /// The stream's id (as in `state`, readable without the lock).
+    pub id: u64,
+    /// Set when the table forgets the (retired) stream: a lookup by
+    /// stream then refuses it as the table does, though the entry stays in
+    /// its slot of [`StreamOrder::direct`].
+    pub forgotten: AtomicBool,
     pub state: LeanMutex<StreamState>,
     /// The device's [`StreamProbe`] for the stream, taken when the entry
     /// is made (`None` when the device has none, or the stream was already
@@ -527,6 +543,8 @@ pub(crate) struct StreamEntry {
 impl StreamEntry {
     pub fn new(stream: Stream, probe: Option<std::sync::Arc<dyn StreamProbe>>) -> Self {
         StreamEntry {
+            id: stream.id(),
+            forgotten: AtomicBool::new(false),
             state: LeanMutex::new(StreamState::new(stream)),
             probe,
         }
@@ -536,7 +554,7 @@ impl StreamEntry {
     /// when the stream runs its work; `false` when it is captured,
     /// destroyed, or the question failed (the slow path asks again and
     /// says which).
-    #[inline]
+    #[inline(always)]
     pub fn runs_now<D: Device>(&self, device: &D, stream: Stream, check_capture: bool) -> bool {
         match &self.probe {
             Some(p) => p.runs(check_capture),
@@ -567,13 +585,15 @@ impl StreamEntry {
 
 /// The stream entries this thread used last, keyed by pool id and stream
 /// id (both never reused, so a hit is always the right entry: a retired
-/// stream's entry stays retired after the table drops it). Spares the hot path the stream table's
-/// shared lock and hashing. A fixed table of slots, each (pool, stream)
-/// pair in the one slot its ids pick: a lookup is one comparison and a
-/// miss replaces that slot, whatever the number of streams a thread cycles
-/// through (consecutive stream ids of one pool never share a slot). An
-/// entry of a dropped pool lingers here until replaced; it holds no device
-/// resources by then (the pool's drop drained its events).
+/// stream's entry stays retired after the table drops it), for the
+/// streams without a slot in [`StreamOrder::direct`]: spares them the
+/// stream table's shared lock and hashing. A fixed table of slots, each
+/// (pool, stream) pair in the one slot its ids pick: a lookup is one
+/// comparison and a miss replaces that slot, whatever the number of
+/// streams a thread cycles through (consecutive stream ids of one pool
+/// never share a slot). An entry of a dropped pool lingers here until
+/// replaced; it holds no device resources by then (the pool's drop
+/// drained its events).
 mod recent_entries {
     use super::StreamEntry;
     use crate::sync::Arc;
@@ -592,28 +612,18 @@ mod recent_entries {
         (stream ^ pool.wrapping_mul(7)) as usize % SLOTS
     }
 
-    /// Run `f` on the entry if this thread has it, without touching its
-    /// reference count (the fast path). `f` must not block.
-    #[inline]
-    pub(super) fn with<R>(
-        pool: u64,
-        stream: u64,
-        f: impl FnOnce(&Arc<StreamEntry>) -> R,
-    ) -> Option<R> {
+    /// The entry, if this thread has it.
+    pub(super) fn get(pool: u64, stream: u64) -> Option<Arc<StreamEntry>> {
         RECENT
             .try_with(|r| {
                 let r = r.try_borrow().ok()?;
                 match &r[slot(pool, stream)] {
-                    Some((p, s, e)) if *p == pool && *s == stream => Some(f(e)),
+                    Some((p, s, e)) if *p == pool && *s == stream => Some(e.clone()),
                     _ => None,
                 }
             })
             .ok()
             .flatten()
-    }
-
-    pub(super) fn get(pool: u64, stream: u64) -> Option<Arc<StreamEntry>> {
-        with(pool, stream, Arc::clone)
     }
 
     pub(super) fn put(pool: u64, stream: u64, entry: &Arc<StreamEntry>) {
@@ -714,6 +724,15 @@ pub(crate) struct StreamOrder<D: Device> {
     device: Arc<D>,
     events: std::sync::Arc<EventRecycler<D>>,
     streams: RwLock<StreamTable>,
+    /// Entries found with no lock, no hash and no write: slot `id % LEN`
+    /// holds the first entry made for a stream id of that residue, for the
+    /// pool's life (stream ids count up, so the first 256 streams of a
+    /// device each get a slot). A retired entry stays in its slot after
+    /// the table forgets it, still marked retired, so the stream is still
+    /// refused; it holds nothing by then (no cached frees, no events).
+    /// The other streams are found through this thread's recent entries,
+    /// then the table.
+    direct: OnceSlots<Arc<StreamEntry>>,
     /// Ids of the streams that may be [`StreamState::busy`] (each at most
     /// once: a stream's `listed` flag says whether it is here).
     busy: Mutex<Vec<u64>>,
@@ -781,6 +800,7 @@ impl<D: Device> StreamOrder<D> {
             events: std::sync::Arc::new(EventRecycler::new(device.clone())),
             device,
             streams: RwLock::new(StreamTable::default()),
+            direct: OnceSlots::new(),
             busy: Mutex::new(Vec::new()),
             watch: Mutex::new(Vec::new()),
             retired: Mutex::new(Retired::default()),
@@ -806,15 +826,42 @@ impl<D: Device> StreamOrder<D> {
         Ok(record)
     }
 
-    /// Run `f` on `stream`'s entry when this thread has it at hand (no
-    /// table lookup, no reference count); `None` otherwise.
+    /// Run `f` on `stream`'s entry when it is at hand with no table
+    /// lookup (see [`StreamOrder::direct_entry`] and
+    /// [`StreamOrder::recent_entry`]); `None` otherwise.
     #[inline]
     pub fn with_recent_entry<R>(
         &self,
         stream: Stream,
         f: impl FnOnce(&Arc<StreamEntry>) -> R,
     ) -> Option<R> {
-        recent_entries::with(self.pool, stream.id(), f)
+        let direct = self.direct_entry(stream);
+        let recent;
+        let e = match slot_ref(&direct) {
+            Some(e) => e,
+            None => {
+                recent = self.recent_entry(stream)?;
+                &recent
+            }
+        };
+        Some(f(e))
+    }
+
+    /// `stream`'s entry in its slot of [`StreamOrder::direct`], if it has
+    /// one: no lock, no write, no hash (read it with
+    /// [`crate::sync::slot_ref`]).
+    #[inline(always)]
+    pub fn direct_entry(&self, stream: Stream) -> Option<SlotRef<'_, Arc<StreamEntry>>> {
+        let id = stream.id();
+        self.direct.get(id).filter(|e| e.id == id)
+    }
+
+    /// `stream`'s entry among this thread's recent entries (for the
+    /// streams without a slot of their own: a reference count taken and
+    /// dropped, no table lookup).
+    #[inline(never)]
+    pub fn recent_entry(&self, stream: Stream) -> Option<Arc<StreamEntry>> {
+        recent_entries::get(self.pool, stream.id())
     }
 
     /// The pool's state for `stream`, created on first use. Ids are never
@@ -824,6 +871,12 @@ impl<D: Device> StreamOrder<D> {
     /// ([`SysError::ForeignHandle`]) the first time the pool meets it, so
     /// no later pass over the pool's streams has to deal with it.
     pub fn entry(&self, stream: Stream) -> Result<Arc<StreamEntry>, PoolError> {
+        let id = stream.id();
+        if let Some(e) = slot_ref(&self.direct.get(id)) {
+            if e.id == id && !e.forgotten.load(Ordering::Acquire) {
+                return Ok(e.clone());
+            }
+        }
         if let Some(e) = recent_entries::get(self.pool, stream.id()) {
             return Ok(e);
         }
@@ -855,11 +908,14 @@ impl<D: Device> StreamOrder<D> {
         if table.forgotten.contains(&stream.id()) {
             return Err(PoolError::StreamRetired { stream });
         }
-        Ok(table
+        let e = table
             .map
             .entry(stream.id())
             .or_insert_with(|| Arc::new(StreamEntry::new(stream, probe)))
-            .clone())
+            .clone();
+        drop(table);
+        self.direct.set(stream.id(), e.clone());
+        Ok(e)
     }
 
     /// Every stream's entry (a snapshot of the table), in id order. For
@@ -931,6 +987,7 @@ impl<D: Device> StreamOrder<D> {
             let mut table = self.streams.write().unwrap_or_else(|p| p.into_inner());
             table.map.remove(&id);
             table.forgotten.insert(id);
+            entry.forgotten.store(true, Ordering::Release);
             drop(table);
             drop(st);
             retired.waiting.swap_remove(i);
@@ -1336,17 +1393,23 @@ mod tests {
     use super::*;
     use tidepool_sys::{FaultInjector, HostConfig, HostDevice, Op};
 
-    /// Long lengths: the slot of the last long length cached and the map
-    /// together hand out every block once, the newest first within a
-    /// length, and `take_covered` and `drain` see both.
+    /// The slot of the last length cached and the map (long lengths) or
+    /// the array (short ones) together hand out every block once, the
+    /// newest first within a length, and `take_covered` and `drain` see
+    /// both.
     #[test]
-    fn size_cache_long_lengths_keep_every_block() {
-        let (a, b) = (2 << 20, 16 << 20);
+    fn size_cache_keeps_every_block() {
+        for (a, b) in [(2 << 20, 16 << 20), (512, 64 << 10), (1024, 1 << 30)] {
+            size_cache_keeps_every_block_of(a, b);
+        }
+    }
+
+    fn size_cache_keeps_every_block_of(a: usize, b: usize) {
         let blk = |offset, epoch| CachedBlock { offset, epoch };
         let off = |x: Option<CachedBlock>| x.map(|x| x.offset);
         let mut c = SizeCache::default();
         c.push(a, blk(1, 1)); // the slot takes a
-        c.push(b, blk(2, 1)); // the map
+        c.push(b, blk(2, 1)); // the array or the map
         c.push(a, blk(3, 2)); // the slot
         assert_eq!(off(c.pop(a)), Some(3));
         assert_eq!(off(c.pop(a)), Some(1));
@@ -1364,10 +1427,10 @@ mod tests {
         all.sort_unstable();
         assert_eq!(all, [(a, 6), (b, 5)]);
         assert_eq!((off(c.pop(a)), off(c.pop(b))), (None, None));
-        // An older block of the slot's length in the map is found once the
+        // An older block of the slot's length elsewhere is found once the
         // slot's are gone.
         c.push(b, blk(7, 6)); // the slot takes b
-        c.push(a, blk(8, 6)); // the map
+        c.push(a, blk(8, 6)); // the array or the map
         assert_eq!(off(c.pop(b)), Some(7));
         c.push(a, blk(9, 7)); // the slot takes a
         assert_eq!(off(c.pop(a)), Some(9));
