@@ -1129,8 +1129,9 @@ impl<D: Device> StreamOrder<D> {
             self.observe_recorded(id, &mut s, done);
             let mut forget = false;
             if s.frees_in_epoch && s.recorded.is_empty() && id != me && !s.retired {
-                match self.device.is_capturing(s.stream) {
-                    Ok(false) => match self.device.query_stream(s.stream) {
+                // Through the entry's probe: no lookup by stream id.
+                match entry.runs(&*self.device, s.stream, true) {
+                    Ok(true) => match self.device.query_stream(s.stream) {
                         Ok(true) => {
                             let epoch = s.close_epoch_synced();
                             done.mark_observed(id, epoch);
@@ -1138,7 +1139,7 @@ impl<D: Device> StreamOrder<D> {
                         Ok(false) => {}
                         Err(_) => forget = true,
                     },
-                    Ok(true) => {}
+                    Ok(false) => {}
                     Err(_) => forget = true,
                 }
             }
