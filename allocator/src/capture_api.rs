@@ -25,12 +25,12 @@ impl<D: Device> MemPool<D> {
         mut allocation: Allocation,
         stream: Stream,
     ) -> Result<(), FreeError> {
-        let tag = allocation.capture;
+        let tag = allocation.capture();
         if let CaptureTag::UsedInCapture { .. } = tag {
-            allocation.capture = CaptureTag::Eager;
+            allocation.set_capture(CaptureTag::Eager);
         }
         self.free_async(allocation, stream).map_err(|mut e| {
-            e.allocation.capture = tag;
+            e.allocation.set_capture(tag);
             e
         })
     }

@@ -35,7 +35,9 @@
 
 use crate::arena::{Arena, Guard};
 use crate::error::PoolError;
-use crate::sync::{lock, Arc, AtomicBool, LeanMutex, Mutex, Ordering, RwLock};
+use crate::sync::{
+    lock, slot_ref, Arc, AtomicBool, LeanMutex, Mutex, OnceSlots, Ordering, RwLock, SlotRef,
+};
 use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 use tidepool_sys::{Device, Event, Stream, StreamProbe, SysError, SysResult};
@@ -155,20 +157,28 @@ const CACHE_GRAIN: usize = 512;
 /// [`SizeCache`] (one slot per multiple of 512 bytes: 128 slots).
 const SMALL_CACHE_MAX: usize = 64 << 10;
 
-/// A stream's private cache: same-stream frees by exact block length. The
-/// lengths a stream frees most often are small, and those are found by
-/// indexing an array with `len / 512` (no hashing); longer blocks go to a
-/// map keyed by length.
+/// A stream's private cache: same-stream frees by exact block length.
+/// The length cached last has a slot of its own, `last`: a stream that
+/// frees and reallocates blocks of one length, whatever it is, finds them
+/// with one comparison. Other lengths up to 64 KiB are found by indexing
+/// an array with `len / 512` (no hashing), longer ones in a map keyed by
+/// length.
 ///
 /// The array is one allocation aligned to and sized in whole 128-byte
 /// pairs of cache lines, and each length's most recent block sits in it
 /// (older ones in a list beside it): a stream whose thread frees and
-/// reallocates one block of a size writes only into its own lines, even
-/// when another thread made the cache (the first free on each stream,
-/// say) and the allocator placed the caches of several streams side by
-/// side.
+/// reallocates blocks of several sizes writes only into its own lines,
+/// even when another thread made the cache (the first free on each
+/// stream, say) and the allocator placed the caches of several streams
+/// side by side.
 #[derive(Debug, Default)]
 pub(crate) struct SizeCache {
+    /// The length of the blocks in `last` (meaningless while it is
+    /// empty). Blocks in `last` are newer than those of the same length
+    /// elsewhere: once `last` holds a length, every block of that length
+    /// cached goes there, and `last` takes another length only when empty.
+    last_len: usize,
+    last: Slot,
     small: Option<Box<SmallSlots>>,
     large: HashMap<usize, Vec<CachedBlock>, BuildIntHasher>,
 }
@@ -189,62 +199,121 @@ struct Slot {
 }
 
 impl Slot {
-    #[inline]
+    #[inline(always)]
     fn pop(&mut self) -> Option<CachedBlock> {
         self.top.take().or_else(|| self.older.pop())
     }
 
-    #[inline]
+    #[inline(always)]
     fn push(&mut self, block: CachedBlock) {
         if let Some(prev) = self.top.replace(block) {
             self.older.push(prev);
         }
     }
+
+    #[inline]
+    fn is_empty(&self) -> bool {
+        self.top.is_none() && self.older.is_empty()
+    }
+
+    /// The most recent block freed in epoch `epoch` or earlier.
+    fn take_covered(&mut self, epoch: u64) -> Option<CachedBlock> {
+        if self.top.is_some_and(|b| b.epoch <= epoch) {
+            let b = self.top.take();
+            self.top = self.older.pop();
+            return b;
+        }
+        let at = self.older.iter().rposition(|b| b.epoch <= epoch)?;
+        Some(self.older.remove(at))
+    }
+
+    /// Hand every block to `f`, oldest first (the list keeps its capacity).
+    fn drain(&mut self, mut f: impl FnMut(CachedBlock)) {
+        for b in self.older.drain(..) {
+            f(b);
+        }
+        if let Some(b) = self.top.take() {
+            f(b);
+        }
+    }
 }
 
 impl SizeCache {
-    #[inline]
+    #[inline(always)]
     fn small_slot(len: usize) -> Option<usize> {
-        (len <= SMALL_CACHE_MAX).then(|| len / CACHE_GRAIN - 1)
+        // `len` is a multiple of the grain, at least one grain: the slot
+        // is len / grain - 1, written so that the index is visibly in
+        // bounds (no check on the hot path).
+        (len <= SMALL_CACHE_MAX).then(|| (len.wrapping_sub(1) / CACHE_GRAIN) % SMALL_SLOTS)
     }
 
     /// The most recently cached block of exactly `len` bytes.
-    #[inline]
+    #[inline(always)]
     pub fn pop(&mut self, len: usize) -> Option<CachedBlock> {
+        if len == self.last_len {
+            if let Some(b) = self.last.pop() {
+                return Some(b);
+            }
+        }
+        self.pop_other(len)
+    }
+
+    /// [`SizeCache::pop`] past the `last` slot.
+    #[inline(never)]
+    fn pop_other(&mut self, len: usize) -> Option<CachedBlock> {
         match Self::small_slot(len) {
             Some(i) => self.small.as_mut()?.0[i].pop(),
             None => self.large.get_mut(&len)?.pop(),
         }
     }
 
-    #[inline]
+    #[inline(always)]
     pub fn push(&mut self, len: usize, block: CachedBlock) {
+        if len == self.last_len {
+            self.last.push(block);
+        } else {
+            self.push_other(len, block);
+        }
+    }
+
+    /// A block of another length than `last`'s: into `last` when it is
+    /// empty (it then keeps this length), else into the array or the map.
+    #[inline(never)]
+    fn push_other(&mut self, len: usize, block: CachedBlock) {
+        if self.last.is_empty() {
+            self.last_len = len;
+            self.last.push(block);
+            return;
+        }
         match Self::small_slot(len) {
-            Some(i) => self
-                .small
-                .get_or_insert_with(|| {
-                    Box::new(SmallSlots(std::array::from_fn(|_| Slot::default())))
-                })
-                .0[i]
-                .push(block),
+            Some(i) => match &mut self.small {
+                Some(small) => small.0[i].push(block),
+                None => self.first_small(i, block),
+            },
             None => self.large.entry(len).or_default().push(block),
         }
+    }
+
+    /// The first small block: the slots are made (out of line: a 6 KiB
+    /// array the hot path should not carry in its frame).
+    #[cold]
+    #[inline(never)]
+    fn first_small(&mut self, i: usize, block: CachedBlock) {
+        let mut small = Box::new(SmallSlots(std::array::from_fn(|_| Slot::default())));
+        small.0[i].push(block);
+        self.small = Some(small);
     }
 
     /// The most recently cached block of exactly `len` bytes freed in
     /// epoch `epoch` or earlier.
     pub fn take_covered(&mut self, len: usize, epoch: u64) -> Option<CachedBlock> {
-        match Self::small_slot(len) {
-            Some(i) => {
-                let slot = &mut self.small.as_mut()?.0[i];
-                if slot.top.is_some_and(|b| b.epoch <= epoch) {
-                    let b = slot.top.take();
-                    slot.top = slot.older.pop();
-                    return b;
-                }
-                let at = slot.older.iter().rposition(|b| b.epoch <= epoch)?;
-                Some(slot.older.remove(at))
+        if len == self.last_len {
+            if let Some(b) = self.last.take_covered(epoch) {
+                return Some(b);
             }
+        }
+        match Self::small_slot(len) {
+            Some(i) => self.small.as_mut()?.0[i].take_covered(epoch),
             None => {
                 let list = self.large.get_mut(&len)?;
                 let at = list.iter().rposition(|b| b.epoch <= epoch)?;
@@ -259,12 +328,7 @@ impl SizeCache {
         if let Some(small) = self.small.as_mut() {
             for (i, slot) in small.0.iter_mut().enumerate() {
                 let len = (i + 1) * CACHE_GRAIN;
-                for b in slot.older.drain(..) {
-                    f(len, b);
-                }
-                if let Some(b) = slot.top.take() {
-                    f(len, b);
-                }
+                slot.drain(|b| f(len, b));
             }
         }
         for (len, blocks) in self.large.drain() {
@@ -272,6 +336,8 @@ impl SizeCache {
                 f(len, b);
             }
         }
+        let len = self.last_len;
+        self.last.drain(|b| f(len, b));
     }
 }
 
@@ -461,6 +527,12 @@ impl<D: Device> Drop for EventRecycler<D> {
 /// thread writes, however the entries land on the heap.
 #[repr(align(128))]
 pub(crate) struct StreamEntry {
+    /// The stream's id (as in `state`, readable without the lock).
+    pub id: u64,
+    /// Set when the table forgets the (retired) stream: a lookup by
+    /// stream then refuses it as the table does, though the entry stays in
+    /// its slot of [`StreamOrder::direct`].
+    pub forgotten: AtomicBool,
     pub state: LeanMutex<StreamState>,
     /// The device's [`StreamProbe`] for the stream, taken when the entry
     /// is made (`None` when the device has none, or the stream was already
@@ -471,8 +543,22 @@ pub(crate) struct StreamEntry {
 impl StreamEntry {
     pub fn new(stream: Stream, probe: Option<std::sync::Arc<dyn StreamProbe>>) -> Self {
         StreamEntry {
+            id: stream.id(),
+            forgotten: AtomicBool::new(false),
             state: LeanMutex::new(StreamState::new(stream)),
             probe,
+        }
+    }
+
+    /// [`StreamEntry::runs`] as a plain answer, for the fast paths: `true`
+    /// when the stream runs its work; `false` when it is captured,
+    /// destroyed, or the question failed (the slow path asks again and
+    /// says which).
+    #[inline(always)]
+    pub fn runs_now<D: Device>(&self, device: &D, stream: Stream, check_capture: bool) -> bool {
+        match &self.probe {
+            Some(p) => p.runs(check_capture),
+            None => matches!(self.runs(device, stream, check_capture), Ok(true)),
         }
     }
 
@@ -499,13 +585,15 @@ impl StreamEntry {
 
 /// The stream entries this thread used last, keyed by pool id and stream
 /// id (both never reused, so a hit is always the right entry: a retired
-/// stream's entry stays retired after the table drops it). Spares the hot path the stream table's
-/// shared lock and hashing. A fixed table of slots, each (pool, stream)
-/// pair in the one slot its ids pick: a lookup is one comparison and a
-/// miss replaces that slot, whatever the number of streams a thread cycles
-/// through (consecutive stream ids of one pool never share a slot). An
-/// entry of a dropped pool lingers here until replaced; it holds no device
-/// resources by then (the pool's drop drained its events).
+/// stream's entry stays retired after the table drops it), for the
+/// streams without a slot in [`StreamOrder::direct`]: spares them the
+/// stream table's shared lock and hashing. A fixed table of slots, each
+/// (pool, stream) pair in the one slot its ids pick: a lookup is one
+/// comparison and a miss replaces that slot, whatever the number of
+/// streams a thread cycles through (consecutive stream ids of one pool
+/// never share a slot). An entry of a dropped pool lingers here until
+/// replaced; it holds no device resources by then (the pool's drop
+/// drained its events).
 mod recent_entries {
     use super::StreamEntry;
     use crate::sync::Arc;
@@ -524,28 +612,18 @@ mod recent_entries {
         (stream ^ pool.wrapping_mul(7)) as usize % SLOTS
     }
 
-    /// Run `f` on the entry if this thread has it, without touching its
-    /// reference count (the fast path). `f` must not block.
-    #[inline]
-    pub(super) fn with<R>(
-        pool: u64,
-        stream: u64,
-        f: impl FnOnce(&Arc<StreamEntry>) -> R,
-    ) -> Option<R> {
+    /// The entry, if this thread has it.
+    pub(super) fn get(pool: u64, stream: u64) -> Option<Arc<StreamEntry>> {
         RECENT
             .try_with(|r| {
                 let r = r.try_borrow().ok()?;
                 match &r[slot(pool, stream)] {
-                    Some((p, s, e)) if *p == pool && *s == stream => Some(f(e)),
+                    Some((p, s, e)) if *p == pool && *s == stream => Some(e.clone()),
                     _ => None,
                 }
             })
             .ok()
             .flatten()
-    }
-
-    pub(super) fn get(pool: u64, stream: u64) -> Option<Arc<StreamEntry>> {
-        with(pool, stream, Arc::clone)
     }
 
     pub(super) fn put(pool: u64, stream: u64, entry: &Arc<StreamEntry>) {
@@ -646,6 +724,15 @@ pub(crate) struct StreamOrder<D: Device> {
     device: Arc<D>,
     events: std::sync::Arc<EventRecycler<D>>,
     streams: RwLock<StreamTable>,
+    /// Entries found with no lock, no hash and no write: slot `id % LEN`
+    /// holds the first entry made for a stream id of that residue, for the
+    /// pool's life (stream ids count up, so the first 256 streams of a
+    /// device each get a slot). A retired entry stays in its slot after
+    /// the table forgets it, still marked retired, so the stream is still
+    /// refused; it holds nothing by then (no cached frees, no events).
+    /// The other streams are found through this thread's recent entries,
+    /// then the table.
+    direct: OnceSlots<Arc<StreamEntry>>,
     /// Ids of the streams that may be [`StreamState::busy`] (each at most
     /// once: a stream's `listed` flag says whether it is here).
     busy: Mutex<Vec<u64>>,
@@ -713,6 +800,7 @@ impl<D: Device> StreamOrder<D> {
             events: std::sync::Arc::new(EventRecycler::new(device.clone())),
             device,
             streams: RwLock::new(StreamTable::default()),
+            direct: OnceSlots::new(),
             busy: Mutex::new(Vec::new()),
             watch: Mutex::new(Vec::new()),
             retired: Mutex::new(Retired::default()),
@@ -738,15 +826,42 @@ impl<D: Device> StreamOrder<D> {
         Ok(record)
     }
 
-    /// Run `f` on `stream`'s entry when this thread has it at hand (no
-    /// table lookup, no reference count); `None` otherwise.
+    /// Run `f` on `stream`'s entry when it is at hand with no table
+    /// lookup (see [`StreamOrder::direct_entry`] and
+    /// [`StreamOrder::recent_entry`]); `None` otherwise.
     #[inline]
     pub fn with_recent_entry<R>(
         &self,
         stream: Stream,
         f: impl FnOnce(&Arc<StreamEntry>) -> R,
     ) -> Option<R> {
-        recent_entries::with(self.pool, stream.id(), f)
+        let direct = self.direct_entry(stream);
+        let recent;
+        let e = match slot_ref(&direct) {
+            Some(e) => e,
+            None => {
+                recent = self.recent_entry(stream)?;
+                &recent
+            }
+        };
+        Some(f(e))
+    }
+
+    /// `stream`'s entry in its slot of [`StreamOrder::direct`], if it has
+    /// one: no lock, no write, no hash (read it with
+    /// [`crate::sync::slot_ref`]).
+    #[inline(always)]
+    pub fn direct_entry(&self, stream: Stream) -> Option<SlotRef<'_, Arc<StreamEntry>>> {
+        let id = stream.id();
+        self.direct.get(id).filter(|e| e.id == id)
+    }
+
+    /// `stream`'s entry among this thread's recent entries (for the
+    /// streams without a slot of their own: a reference count taken and
+    /// dropped, no table lookup).
+    #[inline(never)]
+    pub fn recent_entry(&self, stream: Stream) -> Option<Arc<StreamEntry>> {
+        recent_entries::get(self.pool, stream.id())
     }
 
     /// The pool's state for `stream`, created on first use. Ids are never
@@ -756,6 +871,12 @@ impl<D: Device> StreamOrder<D> {
     /// ([`SysError::ForeignHandle`]) the first time the pool meets it, so
     /// no later pass over the pool's streams has to deal with it.
     pub fn entry(&self, stream: Stream) -> Result<Arc<StreamEntry>, PoolError> {
+        let id = stream.id();
+        if let Some(e) = slot_ref(&self.direct.get(id)) {
+            if e.id == id && !e.forgotten.load(Ordering::Acquire) {
+                return Ok(e.clone());
+            }
+        }
         if let Some(e) = recent_entries::get(self.pool, stream.id()) {
             return Ok(e);
         }
@@ -787,11 +908,14 @@ impl<D: Device> StreamOrder<D> {
         if table.forgotten.contains(&stream.id()) {
             return Err(PoolError::StreamRetired { stream });
         }
-        Ok(table
+        let e = table
             .map
             .entry(stream.id())
             .or_insert_with(|| Arc::new(StreamEntry::new(stream, probe)))
-            .clone())
+            .clone();
+        drop(table);
+        self.direct.set(stream.id(), e.clone());
+        Ok(e)
     }
 
     /// Every stream's entry (a snapshot of the table), in id order. For
@@ -863,6 +987,7 @@ impl<D: Device> StreamOrder<D> {
             let mut table = self.streams.write().unwrap_or_else(|p| p.into_inner());
             table.map.remove(&id);
             table.forgotten.insert(id);
+            entry.forgotten.store(true, Ordering::Release);
             drop(table);
             drop(st);
             retired.waiting.swap_remove(i);
@@ -885,9 +1010,14 @@ impl<D: Device> StreamOrder<D> {
     #[inline]
     pub fn note_busy(&self, st: &mut StreamState) {
         if !st.listed {
-            st.listed = true;
-            lock(&self.busy).push(st.stream.id());
+            self.list_busy(st);
         }
+    }
+
+    #[cold]
+    fn list_busy(&self, st: &mut StreamState) {
+        st.listed = true;
+        lock(&self.busy).push(st.stream.id());
     }
 
     /// Run `f` on every busy stream (id, state under its lock), and drop
@@ -999,8 +1129,9 @@ impl<D: Device> StreamOrder<D> {
             self.observe_recorded(id, &mut s, done);
             let mut forget = false;
             if s.frees_in_epoch && s.recorded.is_empty() && id != me && !s.retired {
-                match self.device.is_capturing(s.stream) {
-                    Ok(false) => match self.device.query_stream(s.stream) {
+                // Through the entry's probe: no lookup by stream id.
+                match entry.runs(&*self.device, s.stream, true) {
+                    Ok(true) => match self.device.query_stream(s.stream) {
                         Ok(true) => {
                             let epoch = s.close_epoch_synced();
                             done.mark_observed(id, epoch);
@@ -1008,7 +1139,7 @@ impl<D: Device> StreamOrder<D> {
                         Ok(false) => {}
                         Err(_) => forget = true,
                     },
-                    Ok(true) => {}
+                    Ok(false) => {}
                     Err(_) => forget = true,
                 }
             }
@@ -1262,6 +1393,51 @@ impl<D: Device> StreamOrder<D> {
 mod tests {
     use super::*;
     use tidepool_sys::{FaultInjector, HostConfig, HostDevice, Op};
+
+    /// The slot of the last length cached and the map (long lengths) or
+    /// the array (short ones) together hand out every block once, the
+    /// newest first within a length, and `take_covered` and `drain` see
+    /// both.
+    #[test]
+    fn size_cache_keeps_every_block() {
+        for (a, b) in [(2 << 20, 16 << 20), (512, 64 << 10), (1024, 1 << 30)] {
+            size_cache_keeps_every_block_of(a, b);
+        }
+    }
+
+    fn size_cache_keeps_every_block_of(a: usize, b: usize) {
+        let blk = |offset, epoch| CachedBlock { offset, epoch };
+        let off = |x: Option<CachedBlock>| x.map(|x| x.offset);
+        let mut c = SizeCache::default();
+        c.push(a, blk(1, 1)); // the slot takes a
+        c.push(b, blk(2, 1)); // the array or the map
+        c.push(a, blk(3, 2)); // the slot
+        assert_eq!(off(c.pop(a)), Some(3));
+        assert_eq!(off(c.pop(a)), Some(1));
+        assert_eq!(off(c.pop(a)), None);
+        // The slot is empty: it takes b, newer than the map's b.
+        c.push(b, blk(4, 3));
+        assert_eq!(off(c.pop(b)), Some(4));
+        c.push(b, blk(5, 4)); // the slot
+        c.push(a, blk(6, 5)); // the map (the slot holds b)
+                              // Only the map's b is from epoch 1 or earlier.
+        assert_eq!(off(c.take_covered(b, 1)), Some(2));
+        assert_eq!(off(c.take_covered(b, 3)), None);
+        let mut all = Vec::new();
+        c.drain(|len, x| all.push((len, x.offset)));
+        all.sort_unstable();
+        assert_eq!(all, [(a, 6), (b, 5)]);
+        assert_eq!((off(c.pop(a)), off(c.pop(b))), (None, None));
+        // An older block of the slot's length elsewhere is found once the
+        // slot's are gone.
+        c.push(b, blk(7, 6)); // the slot takes b
+        c.push(a, blk(8, 6)); // the array or the map
+        assert_eq!(off(c.pop(b)), Some(7));
+        c.push(a, blk(9, 7)); // the slot takes a
+        assert_eq!(off(c.pop(a)), Some(9));
+        assert_eq!(off(c.pop(a)), Some(8));
+        assert_eq!(off(c.pop(a)), None);
+    }
 
     /// A failed record leaves the epoch open (its frees stay uncovered, so
     /// a later pass records again) and gives the event back: the next

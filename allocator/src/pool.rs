@@ -40,15 +40,62 @@ static NEXT_POOL_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64
 pub struct Allocation {
     pub(crate) ptr: DevicePtr,
     pub(crate) size: usize,
-    pub(crate) len: usize,
     pub(crate) stream: Stream,
     pub(crate) pool: u64,
-    pub(crate) uses: Vec<Stream>,
+    /// Declared uses and the capture tag; `None` for an eager block with
+    /// no declared uses (nearly every allocation: the handle is then five
+    /// words, built and moved in registers on the fast paths).
+    pub(crate) extra: Option<Box<Extra>>,
+}
+
+/// What few allocations carry (see [`Allocation::extra`]).
+#[derive(Debug, Default)]
+pub(crate) struct Extra {
+    uses: Vec<Stream>,
     /// Graph memory, or a block used by captured work (see `capture.rs`).
-    pub(crate) capture: CaptureTag,
+    capture: CaptureTag,
 }
 
 impl Allocation {
+    /// An eager block of the pool (or the null allocation of size 0).
+    #[inline(always)]
+    pub(crate) fn eager(ptr: DevicePtr, size: usize, stream: Stream, pool: u64) -> Self {
+        Allocation {
+            ptr,
+            size,
+            stream,
+            pool,
+            extra: None,
+        }
+    }
+
+    /// Bytes of the block: the size rounded up to [`ALIGNMENT`] (0 for
+    /// size 0). No overflow: an allocation's size is at most the pool's
+    /// address range.
+    #[inline(always)]
+    pub(crate) fn len(&self) -> usize {
+        (self.size + (ALIGNMENT - 1)) & !(ALIGNMENT - 1)
+    }
+
+    /// What the allocation has to do with graph capture.
+    #[inline]
+    pub(crate) fn capture(&self) -> CaptureTag {
+        self.extra.as_ref().map_or(CaptureTag::Eager, |x| x.capture)
+    }
+
+    pub(crate) fn set_capture(&mut self, tag: CaptureTag) {
+        if tag != self.capture() {
+            self.extra.get_or_insert_with(Default::default).capture = tag;
+        }
+    }
+
+    /// Whether the fast free may take it: an eager block with no declared
+    /// uses (one load).
+    #[inline(always)]
+    pub(crate) fn is_plain(&self) -> bool {
+        self.extra.is_none()
+    }
+
     /// Device address (aligned to [`ALIGNMENT`]; 0 for a zero-size allocation).
     pub fn ptr(&self) -> DevicePtr {
         self.ptr
@@ -63,13 +110,13 @@ impl Allocation {
     }
     /// Streams declared with [`MemPool::record_use`].
     pub fn uses(&self) -> &[Stream] {
-        &self.uses
+        self.extra.as_ref().map_or(&[], |x| &x.uses)
     }
     /// Whether this is graph memory: allocated on a stream that was being
     /// captured into a CUDA graph (an allocation node of that graph, not a
     /// block of the pool; see [`MemPool::alloc_async`]).
     pub fn is_graph_memory(&self) -> bool {
-        matches!(self.capture, CaptureTag::Graph { .. })
+        matches!(self.capture(), CaptureTag::Graph { .. })
     }
 }
 
@@ -332,74 +379,36 @@ impl<D: Device> MemPool<D> {
     /// pool.free_async(x, s)?;
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    #[inline]
+    #[inline(always)]
     pub fn alloc_async(&self, size: usize, stream: Stream) -> Result<Allocation, PoolError> {
         self.alloc_in(size, stream, true)
     }
 
     /// [`alloc_async`](Self::alloc_async); a capturing stream gets graph
     /// memory only when `serve_capture` (the raw-pointer API refuses it).
-    #[inline]
+    #[inline(always)]
     fn alloc_in(
         &self,
         size: usize,
         stream: Stream,
         serve_capture: bool,
     ) -> Result<Allocation, PoolError> {
-        let inner = &*self.inner;
-        if size == 0 {
-            // No memory, but the stream is named all the same: refuse a
-            // destroyed stream or another device's as for any size.
-            inner.device.check_stream(stream)?;
-            Counters::bump(&inner.counters.zero_allocs);
-            return Ok(Allocation {
-                ptr: 0,
-                size: 0,
-                len: 0,
-                stream,
-                pool: inner.id,
-                uses: Vec::new(),
-                capture: CaptureTag::Eager,
-            });
-        }
-        let len = match round_up(size, ALIGNMENT) {
-            Some(len) if len <= inner.va_size => len,
-            _ => {
-                return Err(PoolError::TooLarge {
-                    requested: size,
-                    limit: inner.va_size,
-                })
-            }
-        };
-        let check = inner.capture_check_needed();
         // Fast path: a same-size block from the stream's own cache, the
-        // entry found in this thread's recent entries.
-        let fast = inner
-            .order
-            .with_recent_entry(stream, |e| inner.alloc_cached(e, stream, size, len, check));
-        let checked = match fast {
-            Some(Ok(Fast::Done(offset))) => {
-                return Ok(self.allocation_at(offset, size, len, stream))
-            }
-            Some(Ok(Fast::Miss)) => true,
-            Some(Ok(Fast::Capturing)) | None => false,
-            Some(Err(e)) => return Err(e),
+        // entry found in this thread's recent entries. It changes nothing
+        // unless it returns a block, so everything else (sizes 0 and too
+        // large, errors, capture) is the slow path's, from the start.
+        let checked = match self.inner.alloc_hit(size, stream) {
+            Hit::Block { offset } => return Ok(self.allocation_at(offset, size, stream)),
+            Hit::Miss => true,
+            Hit::Other => false,
         };
-        self.alloc_slow(size, len, stream, serve_capture, check, checked)
+        self.alloc_slow(size, stream, serve_capture, checked)
     }
 
     /// The handle of a pool block at `offset`.
-    #[inline]
-    fn allocation_at(&self, offset: usize, size: usize, len: usize, stream: Stream) -> Allocation {
-        Allocation {
-            ptr: self.inner.base + offset as u64,
-            size,
-            len,
-            stream,
-            pool: self.inner.id,
-            uses: Vec::new(),
-            capture: CaptureTag::Eager,
-        }
+    #[inline(always)]
+    fn allocation_at(&self, offset: usize, size: usize, stream: Stream) -> Allocation {
+        Allocation::eager(self.inner.base + offset as u64, size, stream, self.inner.id)
     }
 
     /// Everything but a hit in the stream's own cache found through this
@@ -413,13 +422,28 @@ impl<D: Device> MemPool<D> {
     fn alloc_slow(
         &self,
         size: usize,
-        len: usize,
         stream: Stream,
         serve_capture: bool,
-        check: bool,
         checked: bool,
     ) -> Result<Allocation, PoolError> {
         let inner = &*self.inner;
+        if size == 0 {
+            // No memory, but the stream is named all the same: refuse a
+            // destroyed stream or another device's as for any size.
+            inner.device.check_stream(stream)?;
+            Counters::bump(&inner.counters.zero_allocs);
+            return Ok(Allocation::eager(0, 0, stream, inner.id));
+        }
+        let len = match round_up(size, ALIGNMENT) {
+            Some(len) if len <= inner.va_size => len,
+            _ => {
+                return Err(PoolError::TooLarge {
+                    requested: size,
+                    limit: inner.va_size,
+                })
+            }
+        };
+        let check = inner.capture_check_needed();
         if !checked && check {
             // A capturing stream gets graph memory (see `capture.rs`).
             if let AllocRoute::Graph(id) = crate::capture::alloc_route(&*inner.device, stream)? {
@@ -427,15 +451,9 @@ impl<D: Device> MemPool<D> {
                     return Err(PoolError::StreamCapturing { stream });
                 }
                 let ptr = crate::capture::graph_alloc(&*inner.device, stream, len, id)?;
-                return Ok(Allocation {
-                    ptr,
-                    size,
-                    len,
-                    stream,
-                    pool: inner.id,
-                    uses: Vec::new(),
-                    capture: CaptureTag::Graph { capture: id },
-                });
+                let mut a = Allocation::eager(ptr, size, stream, inner.id);
+                a.set_capture(CaptureTag::Graph { capture: id });
+                return Ok(a);
             }
         } else if !checked {
             // No capture check, but still no destroyed or foreign stream.
@@ -444,13 +462,13 @@ impl<D: Device> MemPool<D> {
         let entry = inner.order.entry(stream)?;
         if !checked {
             if let Some(offset) = inner.take_cached(&entry, stream, size, len)? {
-                return Ok(self.allocation_at(offset, size, len, stream));
+                return Ok(self.allocation_at(offset, size, stream));
             }
         }
         let reuse = inner.reuse();
         if reuse.follow_event_dependencies {
             if let Some(offset) = inner.take_followed(&entry, stream, size, len) {
-                return Ok(self.allocation_at(offset, size, len, stream));
+                return Ok(self.allocation_at(offset, size, stream));
             }
         }
         let offset = match crate::policy::acquire(inner.parts(), len, stream, &entry, reuse) {
@@ -476,7 +494,7 @@ impl<D: Device> MemPool<D> {
             inner.forget_retired();
         }
         tracing::trace!(pool = inner.id, size, stream = stream.id(), offset, "alloc");
-        Ok(self.allocation_at(offset, size, len, stream))
+        Ok(self.allocation_at(offset, size, stream))
     }
 
     /// Free in stream order: the memory is reused only by work that cannot
@@ -505,15 +523,34 @@ impl<D: Device> MemPool<D> {
     /// pool.free_async(y, s)?;
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    #[inline]
+    #[inline(always)]
     pub fn free_async(&self, allocation: Allocation, stream: Stream) -> Result<(), FreeError> {
+        // Fast path: an eager block with no declared uses, into the
+        // cache (or to the arena) of a running stream this thread used
+        // recently. It changes nothing unless it frees, so everything else
+        // is the slow path's, from the start.
+        if self.inner.free_hit(&allocation, stream) {
+            // Nothing to drop: a plain allocation owns no heap memory.
+            std::mem::forget(allocation);
+            return Ok(());
+        }
+        self.free_slow(allocation, stream)
+    }
+
+    /// Every free but an eager block with no declared uses, on a running
+    /// stream this thread used recently: another pool's allocation, size
+    /// 0, graph memory, a capture check that refuses, declared uses,
+    /// exported memory, the table lookup.
+    #[cold]
+    #[inline(never)]
+    fn free_slow(&self, mut allocation: Allocation, stream: Stream) -> Result<(), FreeError> {
         let inner = &*self.inner;
         let fail = |error, allocation| Err(FreeError { error, allocation });
         if allocation.pool != inner.id {
             let ptr = allocation.ptr;
             return fail(PoolError::WrongPool { ptr }, allocation);
         }
-        if allocation.len == 0 {
+        if allocation.size == 0 {
             if let Err(e) = inner.device.check_stream(stream) {
                 return fail(e.into(), allocation);
             }
@@ -529,34 +566,6 @@ impl<D: Device> MemPool<D> {
             };
         }
         let check = inner.capture_check_needed();
-        if allocation.capture == CaptureTag::Eager && allocation.uses.is_empty() {
-            // Fast path: into the stream's own cache, the entry found in
-            // this thread's recent entries.
-            let fast = inner
-                .order
-                .with_recent_entry(stream, |e| inner.free_cached(e, stream, &allocation, check));
-            match fast {
-                Some(Ok(true)) => return Ok(()),
-                Some(Ok(false)) | None => {}
-                Some(Err(e)) => return fail(e, allocation),
-            }
-        }
-        self.free_slow(allocation, stream, check)
-    }
-
-    /// Every free but one of an eager block with no declared uses, on a
-    /// running stream this thread used recently: a capture check that
-    /// refuses, declared uses, exported memory, the table lookup.
-    #[cold]
-    #[inline(never)]
-    fn free_slow(
-        &self,
-        mut allocation: Allocation,
-        stream: Stream,
-        check: bool,
-    ) -> Result<(), FreeError> {
-        let inner = &*self.inner;
-        let fail = |error, allocation| Err(FreeError { error, allocation });
         if check {
             // No pool block is freed inside a capture (see `capture.rs`).
             if let Err(e) = crate::capture::check_eager_free(&*inner.device, stream) {
@@ -565,9 +574,9 @@ impl<D: Device> MemPool<D> {
         } else if let Err(e) = inner.device.check_stream(stream) {
             return fail(e.into(), allocation);
         }
-        if allocation.capture != CaptureTag::Eager || !allocation.uses.is_empty() {
-            let uses = &allocation.uses;
-            let tag = allocation.capture;
+        if !allocation.is_plain() {
+            let uses = allocation.uses();
+            let tag = allocation.capture();
             if let Err(e) = crate::capture::check_uses(&*inner.device, tag, uses, stream, check) {
                 return fail(e, allocation);
             }
@@ -578,7 +587,7 @@ impl<D: Device> MemPool<D> {
         // its queued work still runs, and only a device-wide wait sees it
         // end, as for the frees of such a stream.
         let mut gone_user = None;
-        for user in allocation.uses.clone() {
+        for user in allocation.uses().to_vec() {
             if user == stream {
                 continue;
             }
@@ -594,7 +603,9 @@ impl<D: Device> MemPool<D> {
                 // free: report it, and hand the allocation back without it
                 // so that it can still be freed.
                 if let PoolError::Device(SysError::ForeignHandle { .. }) = e {
-                    allocation.uses.retain(|&u| u != user);
+                    if let Some(x) = allocation.extra.as_mut() {
+                        x.uses.retain(|&u| u != user);
+                    }
                 }
                 return fail(e, allocation);
             }
@@ -606,7 +617,7 @@ impl<D: Device> MemPool<D> {
             Err(e) => return fail(e, allocation),
         };
         let offset = (allocation.ptr - inner.base) as usize;
-        let (len, size) = (allocation.len, allocation.size as u64);
+        let (len, size) = (allocation.len(), allocation.size as u64);
         if let Some(user) = gone_user {
             if let Err(e) = inner.free_after_gone_user(stream, user, offset, len, size) {
                 inner.share.reopen(closed);
@@ -614,15 +625,13 @@ impl<D: Device> MemPool<D> {
             }
             return Ok(());
         }
-        let stashed = match inner
-            .order
-            .with_recent_entry(stream, |e| inner.stash_free(e, stream, offset, len, size))
-        {
-            Some(r) => r,
-            None => inner
-                .order
-                .entry(stream)
-                .and_then(|e| inner.stash_free(&e, stream, offset, len, size)),
+        let stashed = match inner.order.entry(stream) {
+            Ok(e) => match inner.stash_free(&e, offset, len, size) {
+                Stashed::Cached => Ok(None),
+                Stashed::Spill(epoch) => Ok(Some(epoch)),
+                Stashed::Retired => Err(PoolError::StreamRetired { stream }),
+            },
+            Err(e) => Err(e),
         };
         let spill_epoch = match stashed {
             Ok(spill) => spill,
@@ -686,13 +695,15 @@ impl<D: Device> MemPool<D> {
         if allocation.is_graph_memory() {
             return;
         }
-        let tag = crate::capture::tag_after_use(&*self.inner.device, allocation.capture, stream);
-        if tag != allocation.capture {
-            allocation.capture = tag;
+        let before = allocation.capture();
+        let tag = crate::capture::tag_after_use(&*self.inner.device, before, stream);
+        if tag != before {
+            allocation.set_capture(tag);
             return;
         }
-        if stream != allocation.stream && !allocation.uses.contains(&stream) {
-            allocation.uses.push(stream);
+        if stream != allocation.stream && !allocation.uses().contains(&stream) {
+            let extra = allocation.extra.get_or_insert_with(Default::default);
+            extra.uses.push(stream);
         }
     }
 
@@ -1040,10 +1051,10 @@ impl<D: Device> MemPool<D> {
             ptr,
             |p| self.contains(p),
             |a| {
-                let before = a.capture;
+                let before = a.capture();
                 self.record_use(a, stream);
-                if a.capture != before {
-                    a.capture = before;
+                if a.capture() != before {
+                    a.set_capture(before);
                     refused = true;
                 }
             },
@@ -1092,14 +1103,26 @@ pub fn default_pool<D: Device>(device: &Arc<D>) -> Result<MemPool<D>, PoolError>
     crate::registry::default_for(key, || MemPool::new(device.clone(), PoolConfig::default()))
 }
 
+/// Where a free went (see `PoolInner::stash_free`).
+enum Stashed {
+    /// Into the stream's cache.
+    Cached,
+    /// Not cached: to the arena, guarded by this epoch of the stream.
+    Spill(u64),
+    /// Nowhere: the stream is retired.
+    Retired,
+}
+
 /// What the fast path of an allocation found.
-enum Fast {
-    /// A block at this offset.
-    Done(usize),
-    /// The stream runs its work and its cache has no block of the size.
+enum Hit {
+    /// A block at `offset`.
+    Block { offset: usize },
+    /// The stream runs its work, is not retired, and its cache has no
+    /// block of the size: the slow path need not ask again.
     Miss,
-    /// The stream is being captured.
-    Capturing,
+    /// Anything else (size 0 or too large, the entry not at hand, a
+    /// stream that is captured, destroyed or retired): nothing was done.
+    Other,
 }
 
 impl<D: Device> PoolInner<D> {
@@ -1112,65 +1135,109 @@ impl<D: Device> PoolInner<D> {
         self.capture_gate.load(Ordering::Relaxed) != 0
     }
 
-    /// The fast path of an allocation, on the entry this thread found at
-    /// hand: ask whether the stream runs its work (through the entry's
-    /// probe: the capture query in strict mode, only the liveness flag
-    /// otherwise), then take a block of exactly `len` bytes from its cache.
-    #[inline]
-    fn alloc_cached(
+    /// The fast path of an allocation: on the entry this thread has at
+    /// hand, ask whether the stream runs its work (through the entry's
+    /// probe: the capture query while the capture gate is set, only the
+    /// liveness flag otherwise), then take a block of exactly the rounded
+    /// length from its cache. Changes nothing unless it returns a block.
+    #[inline(always)]
+    fn alloc_hit(&self, size: usize, stream: Stream) -> Hit {
+        // Sizes 1 ..= va_size; the rest (0, too large) is the slow path's.
+        if size.wrapping_sub(1) >= self.va_size {
+            return Hit::Other;
+        }
+        // No overflow: size <= va_size, itself a rounded usize.
+        let len = (size + (ALIGNMENT - 1)) & !(ALIGNMENT - 1);
+        let check = self.capture_check_needed();
+        // `as_deref`: an `Option<&Arc<_>>` already in std, a clone under loom.
+        #[allow(clippy::needless_option_as_deref)]
+        match self.order.direct_entry(stream).as_deref() {
+            Some(e) => self.alloc_on(e, stream, size, len, check),
+            None => self.alloc_on_recent(stream, size, len, check),
+        }
+    }
+
+    /// [`PoolInner::alloc_hit`] for a stream without a slot of its own.
+    #[inline(never)]
+    fn alloc_on_recent(&self, stream: Stream, size: usize, len: usize, check: bool) -> Hit {
+        match self.order.recent_entry(stream) {
+            Some(e) => self.alloc_on(&e, stream, size, len, check),
+            None => Hit::Other,
+        }
+    }
+
+    /// [`PoolInner::alloc_hit`] on the stream's entry.
+    #[inline(always)]
+    fn alloc_on(
         &self,
-        entry: &StreamEntry,
+        e: &StreamEntry,
         stream: Stream,
         size: usize,
         len: usize,
         check: bool,
-    ) -> Result<Fast, PoolError> {
-        if !entry.runs(&*self.device, stream, check)? {
-            return Ok(Fast::Capturing);
+    ) -> Hit {
+        if !e.runs_now(&*self.device, stream, check) {
+            return Hit::Other;
         }
-        Ok(match self.take_cached(entry, stream, size, len)? {
-            Some(offset) => Fast::Done(offset),
-            None => Fast::Miss,
-        })
+        let mut st = lock(&e.state);
+        if st.retired {
+            return Hit::Other;
+        }
+        let Some(block) = st.cache.pop(len) else {
+            return Hit::Miss;
+        };
+        st.cached_bytes -= len;
+        let missing = self.counters.on_alloc(&mut st.counters, size as u64, true);
+        drop(st);
+        self.claim_headroom(missing);
+        Hit::Block {
+            offset: block.offset,
+        }
     }
 
-    /// The fast path of a free of an eager block with no declared uses, on
-    /// the entry this thread found at hand: `Ok(true)` when done; `Ok(false)`
-    /// when the stream is being captured (the slow path says why that is
-    /// refused) or the memory is exported.
-    #[inline]
-    fn free_cached(
-        &self,
-        entry: &StreamEntry,
-        stream: Stream,
-        allocation: &Allocation,
-        check: bool,
-    ) -> Result<bool, PoolError> {
-        if !entry.runs(&*self.device, stream, check)? {
-            return Ok(false);
+    /// The fast path of a free: an eager block of this pool with no
+    /// declared uses, while the pool exports nothing, on a running stream
+    /// whose entry is at hand: into the stream's cache (or to the arena
+    /// when the cache is full). `true` when done; otherwise nothing was
+    /// done and the slow path takes the free from the start.
+    #[inline(always)]
+    fn free_hit(&self, a: &Allocation, stream: Stream) -> bool {
+        if a.pool != self.id || a.size == 0 || !a.is_plain() || self.share.exports_any() {
+            return false;
         }
-        // Exported: refused while another process maps it; the close is
-        // undone if the free fails below (see share.rs).
-        let closed = self.share.check_free(allocation.ptr)?;
-        let offset = (allocation.ptr - self.base) as usize;
-        let (len, size) = (allocation.len, allocation.size as u64);
-        let spill = match self.stash_free(entry, stream, offset, len, size) {
-            Ok(spill) => spill,
-            Err(e) => {
-                self.share.reopen(closed);
-                return Err(e);
-            }
-        };
-        if let Some(epoch) = spill {
-            self.spill(stream, offset, len, epoch);
+        let check = self.capture_check_needed();
+        // `as_deref`: an `Option<&Arc<_>>` already in std, a clone under loom.
+        #[allow(clippy::needless_option_as_deref)]
+        match self.order.direct_entry(stream).as_deref() {
+            Some(e) => self.free_on(e, a, stream, check),
+            None => self.free_on_recent(a, stream, check),
         }
-        tracing::trace!(
-            pool = self.id,
-            size = allocation.size,
-            stream = stream.id(),
-            "free"
-        );
-        Ok(true)
+    }
+
+    /// [`PoolInner::free_hit`] for a stream without a slot of its own.
+    #[inline(never)]
+    fn free_on_recent(&self, a: &Allocation, stream: Stream, check: bool) -> bool {
+        match self.order.recent_entry(stream) {
+            Some(e) => self.free_on(&e, a, stream, check),
+            None => false,
+        }
+    }
+
+    /// [`PoolInner::free_hit`] on the stream's entry.
+    #[inline(always)]
+    fn free_on(&self, e: &StreamEntry, a: &Allocation, stream: Stream, check: bool) -> bool {
+        if !e.runs_now(&*self.device, stream, check) {
+            return false;
+        }
+        let offset = (a.ptr - self.base) as usize;
+        let len = a.len();
+        match self.stash_free(e, offset, len, a.size as u64) {
+            Stashed::Cached => {}
+            Stashed::Spill(epoch) => self.spill(stream, offset, len, epoch),
+            // The slow path reports it.
+            Stashed::Retired => return false,
+        }
+        true
     }
 
     /// A free that does not go to the stream's cache goes to the arena;
@@ -1276,18 +1343,11 @@ impl<D: Device> PoolInner<D> {
     /// allocation, so its frees go to the arena at once, where the
     /// producer's next allocation can see them complete. Returns the epoch
     /// to guard the range with when it goes to the arena instead.
-    #[inline]
-    fn stash_free(
-        &self,
-        entry: &StreamEntry,
-        stream: Stream,
-        offset: usize,
-        len: usize,
-        size: u64,
-    ) -> Result<Option<u64>, PoolError> {
+    #[inline(always)]
+    fn stash_free(&self, entry: &StreamEntry, offset: usize, len: usize, size: u64) -> Stashed {
         let mut st = lock(&entry.state);
         if st.retired {
-            return Err(PoolError::StreamRetired { stream });
+            return Stashed::Retired;
         }
         st.frees_in_epoch = true;
         self.order.note_busy(&mut st);
@@ -1295,29 +1355,30 @@ impl<D: Device> PoolInner<D> {
         let new_donor = !std::mem::replace(&mut st.donor, true);
         let epoch = st.epoch;
         let limit = self.config.stream_cache_bytes;
-        let spill = if limit > 0
+        let stashed = if limit > 0
             && st.counters.allocs > 0
             && (st.cached_bytes + len <= limit || st.cached_bytes == 0)
         {
             st.cached_bytes += len;
             st.cache.push(len, CachedBlock { offset, epoch });
-            None
+            Stashed::Cached
         } else {
-            Some(epoch)
+            Stashed::Spill(epoch)
         };
+        let id = st.stream.id();
         drop(st);
         if new_donor {
-            self.list_donor(stream);
+            self.list_donor(id);
         }
-        Ok(spill)
+        stashed
     }
 
     /// List `stream` as holding headroom (its `donor` flag was just set).
     /// Called with no stream lock held: the ledger is locked before stream
     /// locks.
     #[cold]
-    fn list_donor(&self, stream: Stream) {
-        lock(&self.counters.ledger).donors.push(stream.id());
+    fn list_donor(&self, id: u64) {
+        lock(&self.counters.ledger).donors.push(id);
     }
 
     /// A free whose declared user stream `user` was destroyed without
@@ -1361,7 +1422,7 @@ impl<D: Device> PoolInner<D> {
         );
         drop(arena);
         if new_donor {
-            self.list_donor(stream);
+            self.list_donor(stream.id());
         }
         tracing::debug!(
             pool = self.id,
@@ -1599,6 +1660,47 @@ impl<D: Device> Drop for PoolInner<D> {
 mod tests {
     use super::*;
     use tidepool_sys::{HostConfig, HostDevice};
+
+    /// Two streams whose ids share a slot of the table of entries found
+    /// with no lookup: each is served from its own entry. The second must
+    /// not get the block the first one cached (its work may still use it,
+    /// and nothing orders the two streams), and each stream's next
+    /// allocation is a hit in its own cache.
+    #[test]
+    fn streams_sharing_a_direct_slot_keep_their_own_entries() {
+        crate::sync::model(shared_slot_body);
+    }
+
+    fn shared_slot_body() {
+        let len = crate::sync::OnceSlots::<()>::LEN as u64;
+        let dev = Arc::new(HostDevice::with_config(HostConfig {
+            capacity: 16 << 20,
+            granularity: 2 << 20,
+        }));
+        let pool = MemPool::new(dev.clone(), PoolConfig::default().with_va_size(64 << 20)).unwrap();
+        let a = dev.create_stream().unwrap();
+        // Stream ids count up (shared with other tests' devices): the
+        // first one of the same residue.
+        let b = (0..64 * len)
+            .map(|_| dev.create_stream().unwrap())
+            .find(|b| b.id() % len == a.id() % len)
+            .expect("a stream id of the same residue");
+        let x = pool.alloc_async(4096, a).unwrap();
+        let px = x.ptr();
+        pool.free_async(x, a).unwrap();
+        let y = pool.alloc_async(4096, b).unwrap();
+        let py = y.ptr();
+        assert_ne!(py, px, "b got the block cached on a");
+        assert_eq!(pool.stats().cache_hits, 0);
+        pool.free_async(y, b).unwrap();
+        let x = pool.alloc_async(4096, a).unwrap();
+        let y = pool.alloc_async(4096, b).unwrap();
+        assert_eq!((x.ptr(), y.ptr()), (px, py));
+        assert_eq!(pool.stats().cache_hits, 2);
+        pool.free_async(x, a).unwrap();
+        pool.free_async(y, b).unwrap();
+        pool.synchronize().unwrap();
+    }
 
     /// Retired streams leave the stream table once nothing needs their
     /// entries (here: after a trim observed their last events complete),

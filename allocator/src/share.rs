@@ -324,7 +324,7 @@ impl<D: Device> MemPool<D> {
                 reason: "the pool was created without PoolConfig::exportable".into(),
             });
         }
-        if allocation.len == 0 {
+        if allocation.size == 0 {
             return Err(PoolError::NotExportable {
                 reason: "a zero-size allocation has no memory to export".into(),
             });
@@ -340,7 +340,7 @@ impl<D: Device> MemPool<D> {
         let st = lock(&inner.arena);
         let page = st.arena.page();
         let offset = (allocation.ptr - inner.base) as usize;
-        let (first, last) = (offset / page, (offset + allocation.len - 1) / page);
+        let (first, last) = (offset / page, (offset + allocation.len() - 1) / page);
         for p in first..=last {
             let phys = match st.arena.mapping_at(p) {
                 Some(i) if st.arena.is_active(p) => i,

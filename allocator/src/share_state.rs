@@ -101,6 +101,15 @@ impl ShareState {
     }
 
     /// The free hook: close the leases of an exported allocation, or refuse
+    /// Whether anything may be exported now (one load): a free in a pool
+    /// that exports nothing needs no [`ShareState::check_free`]. An export
+    /// of an allocation happens before its free (exporting needs the
+    /// allocation), so its count is seen here.
+    #[inline]
+    pub(crate) fn exports_any(&self) -> bool {
+        self.exported.load(Ordering::Acquire) != 0
+    }
+
     /// the free while an import of it is live. Should the free fail after
     /// all, [`ShareState::reopen`] undoes the close.
     #[inline]

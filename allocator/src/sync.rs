@@ -26,6 +26,98 @@ pub(crate) use std::thread_local;
 /// are loom's under `cfg(loom)` too).
 pub(crate) use tidepool_sys::sync::LeanMutex;
 
+/// A fixed table of slots, each set at most once and read with no lock
+/// and no write (std: a [`std::sync::OnceLock`] per slot, one acquire load
+/// to read). Under `cfg(loom)` each slot is loom's mutex over an
+/// `Option` (a read clones the value out, so no slot lock is held while
+/// the caller uses it) and there are only
+/// [`OnceSlots::LEN`] = 4 of them, so that
+/// models with a handful of streams meet both a slot and a collision.
+pub(crate) struct OnceSlots<T> {
+    #[cfg(not(loom))]
+    slots: [std::sync::OnceLock<T>; 256],
+    #[cfg(loom)]
+    slots: Vec<Mutex<Option<T>>>,
+}
+
+impl<T: Clone> OnceSlots<T> {
+    #[cfg(not(loom))]
+    pub const LEN: usize = 256;
+    #[cfg(loom)]
+    pub const LEN: usize = 4;
+
+    #[cfg(not(loom))]
+    pub fn new() -> Self {
+        OnceSlots {
+            slots: std::array::from_fn(|_| std::sync::OnceLock::new()),
+        }
+    }
+
+    #[cfg(loom)]
+    pub fn new() -> Self {
+        OnceSlots {
+            slots: (0..Self::LEN).map(|_| Mutex::new(None)).collect(),
+        }
+    }
+
+    /// The value of slot `key % LEN`, if it is set (std: a reference;
+    /// loom: a clone, read under the slot's lock). Either way
+    /// [`slot_ref`] gives an `Option<&T>`.
+    #[cfg(not(loom))]
+    #[inline(always)]
+    pub fn get(&self, key: u64) -> Option<SlotRef<'_, T>> {
+        self.slots[key as usize % Self::LEN].get()
+    }
+
+    #[cfg(loom)]
+    pub fn get(&self, key: u64) -> Option<SlotRef<'_, T>> {
+        let v = lock(&self.slots[key as usize % Self::LEN]).clone();
+        v.map(|v| Owned(v, std::marker::PhantomData))
+    }
+
+    /// Set slot `key % LEN` to `value` unless it is set already.
+    #[cfg(not(loom))]
+    pub fn set(&self, key: u64, value: T) {
+        let _ = self.slots[key as usize % Self::LEN].set(value);
+    }
+
+    #[cfg(loom)]
+    pub fn set(&self, key: u64, value: T) {
+        lock(&self.slots[key as usize % Self::LEN]).get_or_insert(value);
+    }
+}
+
+/// A slot's value as [`OnceSlots::get`] gives it: a reference (std), a
+/// clone (loom); [`slot_ref`] gives an `Option<&T>` of either.
+#[cfg(not(loom))]
+pub(crate) type SlotRef<'a, T> = &'a T;
+#[cfg(loom)]
+pub(crate) type SlotRef<'a, T> = Owned<'a, T>;
+
+/// What [`OnceSlots::get`] gave, as an `Option<&T>`.
+#[cfg(not(loom))]
+#[inline(always)]
+pub(crate) fn slot_ref<'a, T>(r: &Option<&'a T>) -> Option<&'a T> {
+    *r
+}
+
+#[cfg(loom)]
+pub(crate) fn slot_ref<'a, T>(r: &'a Option<Owned<'_, T>>) -> Option<&'a T> {
+    r.as_deref()
+}
+
+/// A slot's value read under loom (see [`OnceSlots::get`]).
+#[cfg(loom)]
+pub(crate) struct Owned<'a, T>(T, std::marker::PhantomData<&'a ()>);
+
+#[cfg(loom)]
+impl<T> std::ops::Deref for Owned<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
 /// What [`lock`] takes: std's (or loom's) mutex and the lean lock.
 pub(crate) trait Lock {
     type Guard<'a>

@@ -201,6 +201,20 @@ pub trait StreamProbe: Send + Sync {
     fn is_capturing(&self) -> SysResult<bool>;
     /// [`Device::check_stream`] for this stream: `Ok` until it is destroyed.
     fn check(&self) -> SysResult<()>;
+    /// Whether the stream runs its work now, as a plain answer for a hot
+    /// path: `true` when it is live and, with `check_capture`, not being
+    /// captured; `false` when it is captured, destroyed, or the question
+    /// failed (ask [`is_capturing`](Self::is_capturing) or
+    /// [`check`](Self::check) which). One call, no error value to build
+    /// or inspect.
+    #[inline]
+    fn runs(&self, check_capture: bool) -> bool {
+        if check_capture {
+            matches!(self.is_capturing(), Ok(false))
+        } else {
+            self.check().is_ok()
+        }
+    }
 }
 
 /// The device boundary. Implemented by the CUDA backend, the host backend
