@@ -18,8 +18,10 @@
 //! never share physical memory.
 //! This module is bookkeeping only; the device calls are made by the policy.
 
+use crate::ordmap::OrdMap;
 use slab::Slab;
-use std::collections::{BTreeMap, BTreeSet};
+#[cfg(test)]
+use std::collections::BTreeSet;
 use tidepool_sys::Physical;
 
 /// A set of page numbers below a bound fixed at creation: one bit per page,
@@ -114,7 +116,7 @@ impl PageSet {
 /// the spans starting in its page only when its longest one goes).
 #[derive(Debug, Clone)]
 struct Gaps {
-    spans: BTreeMap<usize, usize>,
+    spans: OrdMap<usize, usize>,
     tree: Vec<usize>,
     leaves: usize,
     page: usize,
@@ -127,7 +129,7 @@ impl Gaps {
     fn new(va_size: usize, page: usize, region: std::ops::Range<usize>) -> Self {
         let leaves = (va_size / page).next_power_of_two();
         let mut g = Gaps {
-            spans: BTreeMap::new(),
+            spans: OrdMap::new(),
             tree: vec![0; 2 * leaves],
             leaves,
             page,
@@ -173,7 +175,7 @@ impl Gaps {
             let start = p * self.page;
             let m = self
                 .spans
-                .range(start..start + self.page)
+                .range(start, start + self.page)
                 .map(|(_, &l)| l)
                 .max()
                 .unwrap_or(0);
@@ -197,7 +199,7 @@ impl Gaps {
     }
 
     fn release_in(&mut self, mut off: usize, mut len: usize) {
-        if let Some((&lo, &ll)) = self.spans.range(..off).next_back() {
+        if let Some((lo, &ll)) = self.spans.last_lt(&off) {
             if lo + ll == off {
                 self.remove(lo);
                 off = lo;
@@ -211,10 +213,9 @@ impl Gaps {
     }
 
     fn occupy_in(&mut self, off: usize, len: usize) {
-        let (&so, &sl) = self
+        let (so, &sl) = self
             .spans
-            .range(..=off)
-            .next_back()
+            .last_le(&off)
             .expect("occupied bytes lie in a span");
         assert!(so + sl >= off + len, "occupied bytes lie in a span");
         self.remove(so);
@@ -334,15 +335,15 @@ pub(crate) struct Arena {
     phys: Slab<PhysPage>,
     /// Physical pages active nowhere (they may still have ghost mappings).
     spare: Vec<usize>,
-    free: BTreeMap<usize, FreeRange>,
+    free: OrdMap<usize, FreeRange>,
     /// Maximal runs of adjacent free ranges, whatever their guards: start
     /// to length, and by (length, start). A block may span several ranges
     /// of a run when each of them is usable by its stream.
-    runs: BTreeMap<usize, usize>,
-    by_size: BTreeSet<(usize, usize)>,
+    runs: OrdMap<usize, usize>,
+    by_size: OrdMap<(usize, usize), ()>,
     /// Where best fit is used (see `set_best_fit_regions`).
     fit_regions: Vec<std::ops::Range<usize>>,
-    holes: BTreeMap<usize, usize>,
+    holes: OrdMap<usize, usize>,
     /// The spans no block uses, for first fit by address.
     gaps: Gaps,
     /// Mapped pages that no block overlaps.
@@ -355,7 +356,7 @@ pub(crate) struct Arena {
     idle_clock: u64,
     /// The pending free ranges by (stream, epoch, offset): `settle` looks
     /// only at these, per stream, oldest first.
-    pending: BTreeSet<(u64, u64, usize)>,
+    pending: OrdMap<(u64, u64, usize), ()>,
     /// Reused by `settle` (no allocation per call).
     settle_scratch: Vec<(usize, FreeRange, Guard)>,
     reserved: u64,
@@ -369,24 +370,24 @@ pub(crate) struct Arena {
 impl Arena {
     pub fn new(va_size: usize, page: usize) -> Self {
         assert!(page > 0 && va_size % page == 0 && va_size > 0);
-        let mut holes = BTreeMap::new();
+        let mut holes = OrdMap::new();
         holes.insert(0, va_size);
         Arena {
             page,
             pages: vec![PageSlot::default(); va_size / page],
             phys: Slab::new(),
             spare: Vec::new(),
-            free: BTreeMap::new(),
-            runs: BTreeMap::new(),
+            free: OrdMap::new(),
+            runs: OrdMap::new(),
             fit_regions: std::iter::once(0..va_size).collect(),
-            by_size: BTreeSet::new(),
+            by_size: OrdMap::new(),
             holes,
             gaps: Gaps::new(va_size, page, 0..va_size),
             idle: PageSet::new(va_size / page),
             mapped: PageSet::new(va_size / page),
             idle_since: vec![0; va_size / page],
             idle_clock: 0,
-            pending: BTreeSet::new(),
+            pending: OrdMap::new(),
             settle_scratch: Vec::new(),
             reserved: 0,
             reserved_high: 0,
@@ -593,7 +594,7 @@ impl Arena {
 
     fn index_pending(&mut self, off: usize, guard: Guard) {
         if let Guard::After { stream, epoch } = guard {
-            self.pending.insert((stream, epoch, off));
+            self.pending.insert((stream, epoch, off), ());
         }
     }
 
@@ -663,7 +664,7 @@ impl Arena {
     }
 
     fn run_add_in(&mut self, mut off: usize, mut len: usize) {
-        if let Some((&lo, &ll)) = self.runs.range(..off).next_back() {
+        if let Some((lo, &ll)) = self.runs.last_lt(&off) {
             if lo + ll == off {
                 self.runs.remove(&lo);
                 self.by_size.remove(&(ll, lo));
@@ -676,26 +677,22 @@ impl Arena {
             len += rl;
         }
         self.runs.insert(off, len);
-        self.by_size.insert((len, off));
+        self.by_size.insert((len, off), ());
     }
 
     fn run_remove_in(&mut self, off: usize, len: usize) {
-        let (&ro, &rl) = self
-            .runs
-            .range(..=off)
-            .next_back()
-            .expect("removed bytes lie in a run");
+        let (ro, &rl) = self.runs.last_le(&off).expect("removed bytes lie in a run");
         assert!(ro + rl >= off + len, "removed bytes lie in a run");
         self.runs.remove(&ro);
         self.by_size.remove(&(rl, ro));
         if off > ro {
             self.runs.insert(ro, off - ro);
-            self.by_size.insert((off - ro, ro));
+            self.by_size.insert((off - ro, ro), ());
         }
         if ro + rl > off + len {
             let (o, l) = (off + len, ro + rl - off - len);
             self.runs.insert(o, l);
-            self.by_size.insert((l, o));
+            self.by_size.insert((l, o), ());
         }
     }
 
@@ -705,7 +702,7 @@ impl Arena {
     /// neighbour's key: its entry by address is updated in place.
     fn insert_free(&mut self, off: usize, mut len: usize, mut guard: Guard) {
         let mut left: Option<(usize, usize)> = None; // (offset, old length)
-        if let Some((&lo, &l)) = self.free.range(..off).next_back() {
+        if let Some((lo, l)) = self.free.last_lt(&off) {
             if lo + l.len == off {
                 if let Some(g) = l.guard.merge(guard) {
                     left = Some((lo, l.len));
@@ -713,13 +710,18 @@ impl Arena {
                 }
             }
         }
-        if let std::collections::btree_map::Entry::Occupied(e) = self.free.entry(off + len) {
-            if let Some(g) = e.get().guard.merge(guard) {
-                let r = e.remove();
-                self.unindex_pending(off + len, r.guard);
-                len += r.len;
-                guard = g;
-            }
+        if let Some(g) = self
+            .free
+            .get(&(off + len))
+            .and_then(|r| r.guard.merge(guard))
+        {
+            let r = self
+                .free
+                .remove(&(off + len))
+                .expect("right neighbour exists");
+            self.unindex_pending(off + len, r.guard);
+            len += r.len;
+            guard = g;
         }
         match left {
             Some((lo, llen)) => {
@@ -770,7 +772,7 @@ impl Arena {
         self.run_remove(off, len);
         self.gaps.occupy(off, len);
         // Usually one free range covers the block: cut it in place.
-        if let Some((&o, r)) = self.free.range_mut(..=off).next_back() {
+        if let Some((o, r)) = self.free.last_le_mut(&off) {
             if o + r.len >= end {
                 let old = *r;
                 if o < off {
@@ -791,12 +793,12 @@ impl Arena {
                 return;
             }
         }
-        let start = self.free.range(..=off).next_back().map_or(off, |(&o, _)| o);
+        let start = self.free.last_le(&off).map_or(off, |(o, _)| o);
         let overlapping: Vec<usize> = self
             .free
-            .range(start..end)
-            .filter(|(&o, r)| o + r.len > off)
-            .map(|(&o, _)| o)
+            .range(start, end)
+            .filter(|(o, r)| o + r.len > off)
+            .map(|(o, _)| o)
             .collect();
         let mut cursor = off;
         for o in overlapping {
@@ -852,13 +854,16 @@ impl Arena {
         let mut best: Option<(usize, u8)> = None;
         // The ranges of a run of several: (start, end, class).
         let mut comps: Vec<(usize, usize, Option<u8>)> = Vec::new();
-        for &(rlen, roff) in self.by_size.range((len, 0)..) {
+        for ((rlen, roff), _) in self.by_size.iter_from(&(len, 0)) {
             let (lo, hi) = (roff.max(zone.start), (roff + rlen).min(zone.end));
             if lo >= hi || lo.next_multiple_of(align) + len > hi {
                 continue;
             }
             // One range: no walk.
-            let first = self.free[&roff];
+            let first = *self
+                .free
+                .get(&roff)
+                .expect("a run starts with a free range");
             if first.len == rlen {
                 if let Some(c) = class(first.guard) {
                     let off = lo.next_multiple_of(align);
@@ -876,8 +881,8 @@ impl Arena {
             comps.clear();
             comps.extend(
                 self.free
-                    .range(roff..roff + rlen)
-                    .map(|(&o, r)| (o, o + r.len, class(r.guard))),
+                    .range(roff, roff + rlen)
+                    .map(|(o, r)| (o, o + r.len, class(r.guard))),
             );
             let mut levels: u64 = 0;
             for &(_, _, c) in &comps {
@@ -936,7 +941,7 @@ impl Arena {
     /// guards).
     pub fn largest_free(&self) -> usize {
         let (mut best, mut run) = (0, None::<(usize, usize)>);
-        for (&o, r) in &self.free {
+        for (o, r) in self.free.iter() {
             run = match run {
                 Some((ro, rl)) if ro + rl == o => Some((ro, rl + r.len)),
                 _ => Some((o, r.len)),
@@ -956,7 +961,7 @@ impl Arena {
     /// ranges that are all `usable`: the lowest such start.
     pub fn usable_from(&self, off: usize, mut usable: impl FnMut(Guard) -> bool) -> usize {
         let mut at = off;
-        for (&o, r) in self.free.range(..off).rev() {
+        for (o, r) in self.free.iter_rev_lt(&off) {
             if o + r.len != at || !usable(r.guard) {
                 break;
             }
@@ -969,7 +974,7 @@ impl Arena {
     /// ranges that are all `usable`: the highest such end.
     pub fn usable_to(&self, end: usize, mut usable: impl FnMut(Guard) -> bool) -> usize {
         let mut at = end;
-        for (&o, r) in self.free.range(end..) {
+        for (o, r) in self.free.iter_from(&end) {
             if o != at || !usable(r.guard) {
                 break;
             }
@@ -987,12 +992,12 @@ impl Arena {
     pub fn settle(&mut self, mut upgrade: impl FnMut(Guard) -> Option<Guard>) {
         let mut changed = std::mem::take(&mut self.settle_scratch);
         changed.clear();
-        let mut next = self.pending.iter().next().map(|k| k.0);
+        let mut next = self.pending.first().map(|(k, _)| k.0);
         while let Some(stream) = next {
             self.collect_settled(stream, &mut upgrade, &mut changed);
             next = stream
                 .checked_add(1)
-                .and_then(|s| self.pending.range((s, 0, 0)..).next().map(|k| k.0));
+                .and_then(|s| self.pending.iter_from(&(s, 0, 0)).next().map(|(k, _)| k.0));
         }
         self.apply_settled(changed, upgrade);
     }
@@ -1022,12 +1027,13 @@ impl Arena {
         upgrade: &mut impl FnMut(Guard) -> Option<Guard>,
         changed: &mut Vec<(usize, FreeRange, Guard)>,
     ) {
-        for &(_, epoch, off) in self
+        for ((_, epoch, off), _) in self
             .pending
-            .range((stream, 0, 0)..=(stream, u64::MAX, usize::MAX))
+            .iter_from(&(stream, 0, 0))
+            .take_while(|(k, _)| k.0 == stream)
         {
             match upgrade(Guard::After { stream, epoch }) {
-                Some(g) => changed.push((off, self.free[&off], g)),
+                Some(g) => changed.push((off, *self.free.get(&off).expect("indexed"), g)),
                 None => break,
             }
         }
@@ -1054,7 +1060,7 @@ impl Arena {
                 self.insert_free(o, r.len, g);
                 continue;
             }
-            let Some((&start, &cur)) = self.free.range(..=o).next_back() else {
+            let Some((start, &cur)) = self.free.last_le(&o) else {
                 continue;
             };
             if start + cur.len <= o {
@@ -1075,14 +1081,14 @@ impl Arena {
         let changed: Vec<(usize, FreeRange, Guard)> = self
             .free
             .iter()
-            .filter_map(|(&o, &r)| upgrade(r.guard).map(|g| (o, r, g)))
+            .filter_map(|(o, &r)| upgrade(r.guard).map(|g| (o, r, g)))
             .collect();
         self.apply_settled(changed, upgrade);
     }
 
     /// Every free range, for a pass over all of them.
     pub fn free_ranges(&self) -> impl Iterator<Item = (usize, FreeRange)> + '_ {
-        self.free.iter().map(|(&o, &r)| (o, r))
+        self.free.iter().map(|(o, &r)| (o, r))
     }
 
     // ----- pages -----
@@ -1142,20 +1148,18 @@ impl Arena {
         let mut out: Vec<(usize, usize, Option<Guard>)> = Vec::new();
         let fs = self
             .free
-            .range(..=range.start)
-            .next_back()
-            .map_or(range.start, |(&o, _)| o);
-        for (&o, r) in self.free.range(fs..range.end) {
+            .last_le(&range.start)
+            .map_or(range.start, |(o, _)| o);
+        for (o, r) in self.free.range(fs, range.end) {
             if o + r.len > range.start {
                 out.push((o, r.len, Some(r.guard)));
             }
         }
         let hs = self
             .holes
-            .range(..=range.start)
-            .next_back()
-            .map_or(range.start, |(&o, _)| o);
-        for (&o, &l) in self.holes.range(hs..range.end) {
+            .last_le(&range.start)
+            .map_or(range.start, |(o, _)| o);
+        for (o, &l) in self.holes.range(hs, range.end) {
             if o + l > range.start {
                 out.push((o, l, None));
             }
@@ -1190,8 +1194,8 @@ impl Arena {
             let hi = (o + l).min(zone.end);
             let mut s = o.max(zone.start).next_multiple_of(align);
             'window: while s + len <= hi {
-                let fs = self.free.range(..=s).next_back().map_or(s, |(&fo, _)| fo);
-                for (&fo, r) in self.free.range(fs..s + len) {
+                let fs = self.free.last_le(&s).map_or(s, |(fo, _)| fo);
+                for (fo, r) in self.free.range(fs, s + len) {
                     if fo + r.len > s && !usable(r.guard) {
                         s = (fo + r.len).next_multiple_of(align);
                         continue 'window;
@@ -1203,7 +1207,7 @@ impl Arena {
         };
         // The span holding the zone's start...
         let mut from = zone.start;
-        if let Some((&o, &l)) = self.gaps.spans.range(..=zone.start).next_back() {
+        if let Some((o, &l)) = self.gaps.spans.last_le(&zone.start) {
             if o + l > zone.start {
                 if let Some(s) = in_span(o, l) {
                     return Some(s);
@@ -1219,7 +1223,7 @@ impl Arena {
             if lo + len > zone.end {
                 return None;
             }
-            for (&o, &l) in self.gaps.spans.range(lo..(q + 1) * page) {
+            for (o, &l) in self.gaps.spans.range(lo, (q + 1) * page) {
                 if l >= len {
                     if let Some(s) = in_span(o, l) {
                         return Some(s);
@@ -1246,23 +1250,21 @@ impl Arena {
     ) -> Option<usize> {
         let fs = self
             .free
-            .range(..=zone.start)
-            .next_back()
-            .map_or(zone.start, |(&o, _)| o);
+            .last_le(&zone.start)
+            .map_or(zone.start, |(o, _)| o);
         let hs = self
             .holes
-            .range(..=zone.start)
-            .next_back()
-            .map_or(zone.start, |(&o, _)| o);
+            .last_le(&zone.start)
+            .map_or(zone.start, |(o, _)| o);
         let mut free = self
             .free
-            .range(fs..zone.end)
-            .map(|(&o, r)| (o, r.len, Some(r.guard)))
+            .range(fs, zone.end)
+            .map(|(o, r)| (o, r.len, Some(r.guard)))
             .peekable();
         let mut holes = self
             .holes
-            .range(hs..zone.end)
-            .map(|(&o, &l)| (o, l, None))
+            .range(hs, zone.end)
+            .map(|(o, &l)| (o, l, None))
             .peekable();
         let mut span: Option<(usize, usize)> = None;
         loop {
@@ -1303,7 +1305,7 @@ impl Arena {
     }
 
     pub fn holes(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
-        self.holes.iter().map(|(&o, &l)| (o, l))
+        self.holes.iter().map(|(o, &l)| (o, l))
     }
 
     /// When idle page `p` fell idle: lower is longer ago.
@@ -1319,10 +1321,10 @@ impl Arena {
     /// Whether `f` holds for the guard of every free range on page `p`.
     pub fn page_guards_all(&self, p: usize, mut f: impl FnMut(Guard) -> bool) -> bool {
         let (ps, pe) = (p * self.page, (p + 1) * self.page);
-        let start = self.free.range(..=ps).next_back().map_or(ps, |(&o, _)| o);
+        let start = self.free.last_le(&ps).map_or(ps, |(o, _)| o);
         self.free
-            .range(start..pe)
-            .filter(|(&o, r)| o + r.len > ps)
+            .range(start, pe)
+            .filter(|(o, r)| o + r.len > ps)
             .all(|(_, r)| f(r.guard))
     }
 
@@ -1351,11 +1353,7 @@ impl Arena {
             "activating an unmapped page"
         );
         let (ps, pe) = (p * self.page, (p + 1) * self.page);
-        let (&ho, &hl) = self
-            .holes
-            .range(..=ps)
-            .next_back()
-            .expect("mapped page lies in a hole");
+        let (ho, &hl) = self.holes.last_le(&ps).expect("mapped page lies in a hole");
         assert!(ho + hl >= pe, "mapped page lies in a hole");
         self.holes.remove(&ho);
         if ps > ho {
@@ -1399,7 +1397,7 @@ impl Arena {
         self.run_remove(ps, self.page);
         // The free ranges overlapping the page, from the highest down: the
         // parts outside the page stay free.
-        while let Some((&o, r)) = self.free.range_mut(..pe).next_back() {
+        while let Some((o, r)) = self.free.last_lt_mut(&pe) {
             if o + r.len <= ps {
                 break;
             }
@@ -1424,7 +1422,7 @@ impl Arena {
         }
         // Add the hole, merging with neighbouring holes.
         let (mut ho, mut hl) = (ps, self.page);
-        if let Some((&lo, &ll)) = self.holes.range(..ps).next_back() {
+        if let Some((lo, &ll)) = self.holes.last_lt(&ps) {
             if lo + ll == ps {
                 self.holes.remove(&lo);
                 ho = lo;
@@ -1447,8 +1445,8 @@ impl Arena {
         let mut items: Vec<(usize, usize, bool)> = self
             .free
             .iter()
-            .map(|(&o, r)| (o, r.len, true))
-            .chain(self.holes.iter().map(|(&o, &l)| (o, l, false)))
+            .map(|(o, r)| (o, r.len, true))
+            .chain(self.holes.iter().map(|(o, &l)| (o, l, false)))
             .collect();
         items.sort();
         for (o, l, is_free) in &items {
@@ -1467,7 +1465,7 @@ impl Arena {
         }
         // The runs are the maximal unions of adjacent free ranges.
         let mut runs: Vec<(usize, usize)> = Vec::new();
-        for (&o, r) in &self.free {
+        for (o, r) in self.free.iter() {
             assert!(r.len > 0, "empty free range at {o}");
             for (po, pl) in self.in_fit_regions(o, r.len) {
                 match runs.last_mut() {
@@ -1479,7 +1477,7 @@ impl Arena {
         assert!(
             self.runs
                 .iter()
-                .map(|(&o, &l)| (o, l))
+                .map(|(o, &l)| (o, l))
                 .eq(runs.iter().copied()),
             "runs disagree with the free ranges"
         );
@@ -1495,7 +1493,7 @@ impl Arena {
             self.gaps
                 .spans
                 .iter()
-                .map(|(&o, &l)| (o, l))
+                .map(|(o, &l)| (o, l))
                 .eq(gaps.iter().copied()),
             "gaps disagree with the free ranges and holes"
         );
@@ -1503,7 +1501,7 @@ impl Arena {
             let want = self
                 .gaps
                 .spans
-                .range(p * self.page..(p + 1) * self.page)
+                .range(p * self.page, (p + 1) * self.page)
                 .map(|(_, &l)| l)
                 .max()
                 .unwrap_or(0);
@@ -1516,15 +1514,27 @@ impl Arena {
         let pending: BTreeSet<(u64, u64, usize)> = self
             .free
             .iter()
-            .filter_map(|(&o, r)| match r.guard {
+            .filter_map(|(o, r)| match r.guard {
                 Guard::After { stream, epoch } => Some((stream, epoch, o)),
                 Guard::Complete => None,
             })
             .collect();
-        assert_eq!(self.pending, pending, "pending index disagrees");
+        assert!(
+            self.pending
+                .iter()
+                .map(|(k, _)| k)
+                .eq(pending.iter().copied()),
+            "pending index disagrees"
+        );
+        self.pending.check();
+        self.free.check();
+        self.holes.check();
+        self.runs.check();
+        self.by_size.check();
+        self.gaps.spans.check();
         assert_eq!(self.runs.len(), self.by_size.len());
-        for (&o, &l) in &self.runs {
-            assert!(self.by_size.contains(&(l, o)), "by_size misses {o}");
+        for (o, &l) in self.runs.iter() {
+            assert!(self.by_size.contains_key(&(l, o)), "by_size misses {o}");
         }
         for (i, phys) in self.phys.iter() {
             if let Some(p) = phys.owner {
@@ -1757,7 +1767,7 @@ mod tests {
                     _ => {
                         // Half the time exactly the length of a span
                         // with no block in use (the edge of every test).
-                        let spans: Vec<usize> = a.gaps.spans.values().copied().collect();
+                        let spans: Vec<usize> = a.gaps.spans.iter().map(|(_, &l)| l).collect();
                         let len = if x % 2 == 0 {
                             spans[(x >> 1) % spans.len()]
                         } else {
