@@ -173,6 +173,11 @@ pub(crate) struct SizeCache {
     large: HashMap<usize, Vec<CachedBlock>, BuildIntHasher>,
 }
 
+/// Most lengths above [`SMALL_CACHE_MAX`] whose lists a flush of the cache
+/// keeps (empty) for the next frees of those lengths; beyond that many the
+/// lists go, so that a flush visits at most this many empty ones.
+const LARGE_KEPT: usize = 64;
+
 /// One slot per multiple of 512 bytes up to [`SMALL_CACHE_MAX`].
 const SMALL_SLOTS: usize = SMALL_CACHE_MAX / CACHE_GRAIN;
 
@@ -258,6 +263,9 @@ impl SizeCache {
     fn drain(&mut self, mut f: impl FnMut(usize, CachedBlock)) {
         if let Some(small) = self.small.as_mut() {
             for (i, slot) in small.0.iter_mut().enumerate() {
+                if slot.top.is_none() && slot.older.is_empty() {
+                    continue;
+                }
                 let len = (i + 1) * CACHE_GRAIN;
                 for b in slot.older.drain(..) {
                     f(len, b);
@@ -267,9 +275,19 @@ impl SizeCache {
                 }
             }
         }
-        for (len, blocks) in self.large.drain() {
-            for b in blocks {
-                f(len, b);
+        if self.large.len() <= LARGE_KEPT {
+            // The lists stay, empty, with their capacity: the lengths a
+            // stream frees come back, and each would allocate its list anew.
+            for (&len, blocks) in self.large.iter_mut() {
+                for b in blocks.drain(..) {
+                    f(len, b);
+                }
+            }
+        } else {
+            for (len, blocks) in self.large.drain() {
+                for b in blocks {
+                    f(len, b);
+                }
             }
         }
     }
