@@ -170,7 +170,13 @@ impl Gaps {
 
     fn remove(&mut self, off: usize) -> usize {
         let len = self.spans.remove(&off).expect("span exists");
-        let p = off / self.page;
+        self.lost(off / self.page, len);
+        len
+    }
+
+    /// A span of `len` bytes starting in page `p` went or shrank: the
+    /// leaf is looked at again if that span was its longest.
+    fn lost(&mut self, p: usize, len: usize) {
         if len == self.tree[self.leaves + p] {
             let start = p * self.page;
             let m = self
@@ -181,7 +187,20 @@ impl Gaps {
                 .unwrap_or(0);
             self.set_leaf(p, m);
         }
-        len
+    }
+
+    /// The span at `old` becomes `[new, new + len)`, where no other span
+    /// starts between `old` and `new`: rewritten in place.
+    fn reshape(&mut self, old: usize, new: usize, len: usize) {
+        let slot = self.spans.rekey(&old, new).expect("span exists");
+        let was = std::mem::replace(slot, len);
+        let (po, pn) = (old / self.page, new / self.page);
+        if po != pn || len < was {
+            self.lost(po, was);
+        }
+        if len > self.tree[self.leaves + pn] {
+            self.set_leaf(pn, len);
+        }
     }
 
     /// Bytes `[off, off+len)` stop being used: merge with the spans around.
@@ -198,18 +217,22 @@ impl Gaps {
         }
     }
 
-    fn release_in(&mut self, mut off: usize, mut len: usize) {
-        if let Some((lo, &ll)) = self.spans.last_lt(&off) {
-            if lo + ll == off {
-                self.remove(lo);
-                off = lo;
-                len += ll;
+    fn release_in(&mut self, off: usize, len: usize) {
+        let left = self
+            .spans
+            .last_lt(&off)
+            .filter(|&(lo, &ll)| lo + ll == off)
+            .map(|(lo, &ll)| (lo, ll));
+        let right = self.spans.get(&(off + len)).copied();
+        match (left, right) {
+            (Some((lo, ll)), Some(rl)) => {
+                self.remove(off + len);
+                self.reshape(lo, lo, ll + len + rl);
             }
+            (Some((lo, ll)), None) => self.reshape(lo, lo, ll + len),
+            (None, Some(rl)) => self.reshape(off + len, off, len + rl),
+            (None, None) => self.insert(off, len),
         }
-        if self.spans.contains_key(&(off + len)) {
-            len += self.remove(off + len);
-        }
-        self.insert(off, len);
     }
 
     fn occupy_in(&mut self, off: usize, len: usize) {
@@ -217,13 +240,18 @@ impl Gaps {
             .spans
             .last_le(&off)
             .expect("occupied bytes lie in a span");
-        assert!(so + sl >= off + len, "occupied bytes lie in a span");
-        self.remove(so);
-        if off > so {
-            self.insert(so, off - so);
-        }
-        if so + sl > off + len {
-            self.insert(off + len, so + sl - off - len);
+        let end = off + len;
+        assert!(so + sl >= end, "occupied bytes lie in a span");
+        match (off > so, so + sl > end) {
+            (true, true) => {
+                self.reshape(so, so, off - so);
+                self.insert(end, so + sl - end);
+            }
+            (true, false) => self.reshape(so, so, off - so),
+            (false, true) => self.reshape(so, end, so + sl - end),
+            (false, false) => {
+                self.remove(so);
+            }
         }
     }
 
@@ -598,6 +626,21 @@ impl Arena {
         }
     }
 
+    /// The range at `old` under `was` now starts at `new` under `now`,
+    /// where no free range starts between `old` and `new`.
+    fn reindex_pending(&mut self, old: usize, was: Guard, new: usize, now: Guard) {
+        match (was, now) {
+            (Guard::After { stream, epoch }, _) if was == now => {
+                self.pending
+                    .rekey(&(stream, epoch, old), (stream, epoch, new));
+            }
+            _ => {
+                self.unindex_pending(old, was);
+                self.index_pending(new, now);
+            }
+        }
+    }
+
     fn unindex_pending(&mut self, off: usize, guard: Guard) {
         if let Guard::After { stream, epoch } = guard {
             self.pending.remove(&(stream, epoch, off));
@@ -663,36 +706,53 @@ impl Arena {
         }
     }
 
-    fn run_add_in(&mut self, mut off: usize, mut len: usize) {
-        if let Some((lo, &ll)) = self.runs.last_lt(&off) {
-            if lo + ll == off {
-                self.runs.remove(&lo);
-                self.by_size.remove(&(ll, lo));
-                off = lo;
-                len += ll;
+    /// The run at `old` becomes `[new, new + len)`, where no other run
+    /// starts between `old` and `new`: rewritten in place by address.
+    fn run_reshape(&mut self, old: usize, new: usize, len: usize) {
+        let slot = self.runs.rekey(&old, new).expect("run exists");
+        let was = std::mem::replace(slot, len);
+        self.by_size.remove(&(was, old));
+        self.by_size.insert((len, new), ());
+    }
+
+    fn run_add_in(&mut self, off: usize, len: usize) {
+        let left = self
+            .runs
+            .last_lt(&off)
+            .filter(|&(lo, &ll)| lo + ll == off)
+            .map(|(lo, &ll)| (lo, ll));
+        let right = self.runs.get(&(off + len)).copied();
+        match (left, right) {
+            (Some((lo, ll)), Some(rl)) => {
+                self.runs.remove(&(off + len));
+                self.by_size.remove(&(rl, off + len));
+                self.run_reshape(lo, lo, ll + len + rl);
+            }
+            (Some((lo, ll)), None) => self.run_reshape(lo, lo, ll + len),
+            (None, Some(rl)) => self.run_reshape(off + len, off, len + rl),
+            (None, None) => {
+                self.runs.insert(off, len);
+                self.by_size.insert((len, off), ());
             }
         }
-        if let Some(rl) = self.runs.remove(&(off + len)) {
-            self.by_size.remove(&(rl, off + len));
-            len += rl;
-        }
-        self.runs.insert(off, len);
-        self.by_size.insert((len, off), ());
     }
 
     fn run_remove_in(&mut self, off: usize, len: usize) {
         let (ro, &rl) = self.runs.last_le(&off).expect("removed bytes lie in a run");
-        assert!(ro + rl >= off + len, "removed bytes lie in a run");
-        self.runs.remove(&ro);
-        self.by_size.remove(&(rl, ro));
-        if off > ro {
-            self.runs.insert(ro, off - ro);
-            self.by_size.insert((off - ro, ro), ());
-        }
-        if ro + rl > off + len {
-            let (o, l) = (off + len, ro + rl - off - len);
-            self.runs.insert(o, l);
-            self.by_size.insert((l, o), ());
+        let end = off + len;
+        assert!(ro + rl >= end, "removed bytes lie in a run");
+        match (off > ro, ro + rl > end) {
+            (true, true) => {
+                self.run_reshape(ro, ro, off - ro);
+                self.runs.insert(end, ro + rl - end);
+                self.by_size.insert((ro + rl - end, end), ());
+            }
+            (true, false) => self.run_reshape(ro, ro, off - ro),
+            (false, true) => self.run_reshape(ro, end, ro + rl - end),
+            (false, false) => {
+                self.runs.remove(&ro);
+                self.by_size.remove(&(rl, ro));
+            }
         }
     }
 
@@ -715,6 +775,20 @@ impl Arena {
             .get(&(off + len))
             .and_then(|r| r.guard.merge(guard))
         {
+            if left.is_none() {
+                // Only the right neighbour: it grows down to `off`, in
+                // place (no range starts inside the bytes given back).
+                let r = self.free.rekey(&(off + len), off).expect("right neighbour");
+                let old = std::mem::replace(
+                    r,
+                    FreeRange {
+                        len: len + r.len,
+                        guard: g,
+                    },
+                );
+                self.reindex_pending(off + len, old.guard, off, g);
+                return;
+            }
             let r = self
                 .free
                 .remove(&(off + len))
@@ -777,17 +851,22 @@ impl Arena {
                 let old = *r;
                 if o < off {
                     r.len = off - o;
+                    if o + old.len > end {
+                        self.insert_raw(
+                            end,
+                            FreeRange {
+                                len: o + old.len - end,
+                                guard: old.guard,
+                            },
+                        );
+                    }
+                } else if o + old.len > end {
+                    // The block starts the range: what is left of it moves
+                    // up in place (no range starts inside the block).
+                    self.free.rekey(&o, end).expect("range exists").len = o + old.len - end;
+                    self.reindex_pending(o, old.guard, end, old.guard);
                 } else {
                     self.remove_raw(o);
-                }
-                if o + old.len > end {
-                    self.insert_raw(
-                        end,
-                        FreeRange {
-                            len: o + old.len - end,
-                            guard: old.guard,
-                        },
-                    );
                 }
                 self.add_users(off, len);
                 return;

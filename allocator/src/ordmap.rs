@@ -81,6 +81,7 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
         Some(&mut self.chunks[c][i].1)
     }
 
+    #[cfg(test)]
     pub fn contains_key(&self, k: &K) -> bool {
         self.find(k).is_some()
     }
@@ -113,6 +114,30 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
             self.chunks.insert(c + 1, upper);
         }
         None
+    }
+
+    /// Move the entry of `old` to key `new`, where no other key lies
+    /// between the two (its place in the order stays): no entry moves.
+    /// Returns its value, or `None` (and changes nothing) where `old` has
+    /// no entry.
+    pub fn rekey(&mut self, old: &K, new: K) -> Option<&mut V> {
+        let (c, i) = self.find(old)?;
+        let chunk = &self.chunks[c];
+        let after_prev = match i.checked_sub(1) {
+            Some(j) => chunk[j].0 < new,
+            None => c == 0 || self.chunks[c - 1].last().is_some_and(|e| e.0 < new),
+        };
+        let before_next = match chunk.get(i + 1) {
+            Some(e) => new < e.0,
+            None => self.firsts.get(c + 1).is_none_or(|f| new < *f),
+        };
+        assert!(after_prev && before_next, "a new key keeps its place");
+        if i == 0 {
+            self.firsts[c] = new;
+        }
+        let e = &mut self.chunks[c][i];
+        e.0 = new;
+        Some(&mut e.1)
     }
 
     /// Remove the entry of `k`; returns its value.
@@ -357,6 +382,21 @@ mod tests {
             if let Some((k, v)) = map.last_lt_mut(&q) {
                 *v += 1;
                 *model.get_mut(&k).unwrap() += 1;
+            }
+            // Move a key up to just below the next one, or down to just
+            // above the previous one.
+            if let Some((k, _)) = map.last_le(&q) {
+                let next = model.range(k + 1..).next().map_or(k + 7, |(&n, _)| n);
+                let prev = model.range(..k).next_back().map_or(0, |(&p, _)| p + 1);
+                let to = if step % 2 == 0 {
+                    next - 1
+                } else {
+                    prev.max(k.saturating_sub(3))
+                };
+                let v = map.rekey(&k, to).map(|v| *v);
+                let m = model.remove(&k).unwrap();
+                model.insert(to, m);
+                assert_eq!(v, Some(m));
             }
             if step % 97 == 0 {
                 let hi = q + (rnd() % 300) as u32;
