@@ -1434,12 +1434,17 @@ impl Arena {
         let (ps, pe) = (p * self.page, (p + 1) * self.page);
         let (ho, &hl) = self.holes.last_le(&ps).expect("mapped page lies in a hole");
         assert!(ho + hl >= pe, "mapped page lies in a hole");
-        self.holes.remove(&ho);
-        if ps > ho {
-            self.holes.insert(ho, ps - ho);
-        }
-        if ho + hl > pe {
-            self.holes.insert(pe, ho + hl - pe);
+        // The hole is cut in place where the page is at one end of it.
+        match (ps > ho, ho + hl > pe) {
+            (true, true) => {
+                *self.holes.get_mut(&ho).expect("hole") = ps - ho;
+                self.holes.insert(pe, ho + hl - pe);
+            }
+            (true, false) => *self.holes.get_mut(&ho).expect("hole") = ps - ho,
+            (false, true) => *self.holes.rekey(&ho, pe).expect("hole") = ho + hl - pe,
+            (false, false) => {
+                self.holes.remove(&ho);
+            }
         }
         self.pages[p].active = true;
         self.idle.insert(p);
@@ -1500,18 +1505,23 @@ impl Arena {
             }
         }
         // Add the hole, merging with neighbouring holes.
-        let (mut ho, mut hl) = (ps, self.page);
-        if let Some((lo, &ll)) = self.holes.last_lt(&ps) {
-            if lo + ll == ps {
-                self.holes.remove(&lo);
-                ho = lo;
-                hl += ll;
+        let left = self
+            .holes
+            .last_lt(&ps)
+            .filter(|&(lo, &ll)| lo + ll == ps)
+            .map(|(lo, _)| lo);
+        let right = self.holes.get(&pe).copied();
+        match (left, right) {
+            (Some(lo), Some(rl)) => {
+                self.holes.remove(&pe);
+                *self.holes.get_mut(&lo).expect("hole") += self.page + rl;
+            }
+            (Some(lo), None) => *self.holes.get_mut(&lo).expect("hole") += self.page,
+            (None, Some(rl)) => *self.holes.rekey(&pe, ps).expect("hole") = self.page + rl,
+            (None, None) => {
+                self.holes.insert(ps, self.page);
             }
         }
-        if let Some(rl) = self.holes.remove(&pe) {
-            hl += rl;
-        }
-        self.holes.insert(ho, hl);
         self.idle.remove(p);
         assert!(self.pages[p].active, "deactivating an inactive page");
         self.pages[p].active = false;

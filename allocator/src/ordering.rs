@@ -981,13 +981,15 @@ impl<D: Device> StreamOrder<D> {
     /// the consumers that freed since the last allocation, not every
     /// stream the pool has met. `me`'s own uncovered frees are not asked
     /// about (stream order already lets `me` reuse them). Does nothing
-    /// unless observed completion may be used (`opportunistic`).
+    /// unless observed completion may be used (`opportunistic`). `own`:
+    /// `me`'s entry where the caller has it at hand (no table lookup).
     pub fn poll_completions(
         &self,
         arena: &mut Arena,
         done: &mut Completion,
         opportunistic: bool,
         me: u64,
+        own: Option<&StreamEntry>,
     ) {
         if !opportunistic {
             return;
@@ -1001,8 +1003,16 @@ impl<D: Device> StreamOrder<D> {
         let mut kept = 0;
         for i in 0..ids.len() {
             let id = ids[i];
-            let Some(entry) = self.entry_by_id(id) else {
-                continue;
+            let found;
+            let entry: &StreamEntry = match own {
+                Some(e) if id == me => e,
+                _ => {
+                    found = self.entry_by_id(id);
+                    match &found {
+                        Some(e) => e,
+                        None => continue,
+                    }
+                }
             };
             let mut s = lock(&entry.state);
             if id == me && s.recorded.len() < OWN_BACKLOG {
@@ -1353,7 +1363,7 @@ mod tests {
             order.watch_stream(s);
         }
         let queries = dev.calls(Op::QueryStream);
-        order.poll_completions(&mut arena, &mut done, true, me.id());
+        order.poll_completions(&mut arena, &mut done, true, me.id(), None);
         assert_eq!(
             dev.calls(Op::QueryStream),
             queries + 1,
@@ -1365,7 +1375,7 @@ mod tests {
             1,
             "the consumer is forgotten, `me` kept"
         );
-        order.poll_completions(&mut arena, &mut done, true, me.id());
+        order.poll_completions(&mut arena, &mut done, true, me.id(), None);
         assert_eq!(
             dev.calls(Op::QueryStream),
             queries + 1,
@@ -1389,7 +1399,7 @@ mod tests {
         // Without opportunistic reuse what it would learn is of no use.
         lock(&order.entry(consumer).unwrap().state).frees_in_epoch = true;
         order.watch_stream(consumer);
-        order.poll_completions(&mut arena, &mut done, false, me.id());
+        order.poll_completions(&mut arena, &mut done, false, me.id(), None);
         assert_eq!(dev.calls(Op::QueryStream), queries + 1);
         for &s in &streams {
             dev.synchronize_stream(s).unwrap();
