@@ -1419,19 +1419,38 @@ impl Arena {
             self.phys[phys].owner.is_none(),
             "physical page active twice"
         );
-        for q in p..p + self.phys[phys].pages {
-            self.activate_page(q, phys);
+        let k = self.phys[phys].pages;
+        for q in p..p + k {
+            assert_eq!(
+                self.pages[q].mapped,
+                Some(phys),
+                "activating an unmapped page"
+            );
         }
+        self.activate_pages(p, k);
         self.phys[phys].owner = Some(p);
     }
 
-    fn activate_page(&mut self, p: usize, phys: usize) {
-        assert_eq!(
-            self.pages[p].mapped,
-            Some(phys),
-            "activating an unmapped page"
-        );
-        let (ps, pe) = (p * self.page, (p + 1) * self.page);
+    /// Single physical pages `phys[i]`, each already mapped at page
+    /// `p + i` (holes), become active there, as many calls of
+    /// [`activate`](Self::activate) in page order would make them, with
+    /// the books of the whole run updated once.
+    pub fn activate_singles(&mut self, p: usize, phys: &[usize]) {
+        for (q, &i) in (p..).zip(phys) {
+            assert_eq!(self.phys[i].pages, 1, "a unit is activated whole");
+            assert!(self.phys[i].owner.is_none(), "physical page active twice");
+            assert_eq!(self.pages[q].mapped, Some(i), "activating an unmapped page");
+        }
+        self.activate_pages(p, phys.len());
+        for (q, &i) in (p..).zip(phys) {
+            self.phys[i].owner = Some(q);
+        }
+    }
+
+    /// Pages `p..p + n`, mapped holes, become active: their bytes become
+    /// one free range with nothing pending (merged with its neighbours).
+    fn activate_pages(&mut self, p: usize, n: usize) {
+        let (ps, pe) = (p * self.page, (p + n) * self.page);
         let (ho, &hl) = self.holes.last_le(&ps).expect("mapped page lies in a hole");
         assert!(ho + hl >= pe, "mapped page lies in a hole");
         // The hole is cut in place where the page is at one end of it.
@@ -1446,12 +1465,14 @@ impl Arena {
                 self.holes.remove(&ho);
             }
         }
-        self.pages[p].active = true;
-        self.idle.insert(p);
-        self.idle_since[p] = self.idle_clock;
-        self.idle_clock += 1;
-        self.run_add(ps, self.page);
-        self.insert_free(ps, self.page, Guard::Complete);
+        for q in p..p + n {
+            self.pages[q].active = true;
+            self.idle.insert(q);
+            self.idle_since[q] = self.idle_clock;
+            self.idle_clock += 1;
+        }
+        self.run_add(ps, pe - ps);
+        self.insert_free(ps, pe - ps, Guard::Complete);
     }
 
     /// The unit active at page `p` (its first page), idle on every page,
@@ -1469,16 +1490,37 @@ impl Arena {
         for q in p..p + k {
             assert_eq!(self.pages[q].users, 0, "unmapping a page in use");
         }
-        for q in p..p + k {
-            self.deactivate_page(q);
-        }
+        self.deactivate_pages(p, k);
         self.phys[phys].owner = None;
         phys
     }
 
-    fn deactivate_page(&mut self, p: usize) {
-        let (ps, pe) = (p * self.page, (p + 1) * self.page);
-        self.run_remove(ps, self.page);
+    /// The single physical pages active at pages `p..p + n`, idle, stop
+    /// being active, as many calls of [`deactivate`](Self::deactivate)
+    /// would make them, with the books of the whole run updated once.
+    pub fn deactivate_singles(&mut self, p: usize, n: usize) {
+        for q in p..p + n {
+            let phys = self.pages[q].mapped.expect("active page is mapped");
+            assert_eq!(self.phys[phys].pages, 1, "a unit is deactivated whole");
+            assert_eq!(
+                self.phys[phys].owner,
+                Some(q),
+                "deactivating a page not active"
+            );
+            assert_eq!(self.pages[q].users, 0, "unmapping a page in use");
+        }
+        self.deactivate_pages(p, n);
+        for q in p..p + n {
+            let phys = self.pages[q].mapped.expect("active page is mapped");
+            self.phys[phys].owner = None;
+        }
+    }
+
+    /// Pages `p..p + n`, active and idle, become holes (their mappings
+    /// stay, as ghosts): their free ranges are cut out.
+    fn deactivate_pages(&mut self, p: usize, n: usize) {
+        let (ps, pe) = (p * self.page, (p + n) * self.page);
+        self.run_remove(ps, pe - ps);
         // The free ranges overlapping the page, from the highest down: the
         // parts outside the page stay free.
         while let Some((o, r)) = self.free.last_lt_mut(&pe) {
@@ -1514,17 +1556,19 @@ impl Arena {
         match (left, right) {
             (Some(lo), Some(rl)) => {
                 self.holes.remove(&pe);
-                *self.holes.get_mut(&lo).expect("hole") += self.page + rl;
+                *self.holes.get_mut(&lo).expect("hole") += pe - ps + rl;
             }
-            (Some(lo), None) => *self.holes.get_mut(&lo).expect("hole") += self.page,
-            (None, Some(rl)) => *self.holes.rekey(&pe, ps).expect("hole") = self.page + rl,
+            (Some(lo), None) => *self.holes.get_mut(&lo).expect("hole") += pe - ps,
+            (None, Some(rl)) => *self.holes.rekey(&pe, ps).expect("hole") = pe - ps + rl,
             (None, None) => {
-                self.holes.insert(ps, self.page);
+                self.holes.insert(ps, pe - ps);
             }
         }
-        self.idle.remove(p);
-        assert!(self.pages[p].active, "deactivating an inactive page");
-        self.pages[p].active = false;
+        for q in p..p + n {
+            self.idle.remove(q);
+            assert!(self.pages[q].active, "deactivating an inactive page");
+            self.pages[q].active = false;
+        }
     }
 
     /// Check every invariant (tests only; linear time).
@@ -2170,6 +2214,73 @@ mod tests {
         a.activate(1, phys);
         a.check();
         assert_eq!(a.largest_free(), 3 * PAGE - 100);
+    }
+
+    /// Everything a run of pages changes, for comparing two arenas.
+    fn books(a: &Arena) -> impl PartialEq + std::fmt::Debug {
+        let free: Vec<(usize, usize, Guard)> =
+            a.free_ranges().map(|(o, r)| (o, r.len, r.guard)).collect();
+        let holes: Vec<(usize, usize)> = a.holes().collect();
+        let runs: Vec<(usize, usize)> = a.runs.iter().map(|(o, &l)| (o, l)).collect();
+        let gaps: Vec<(usize, usize)> = a.gaps.spans.iter().map(|(o, &l)| (o, l)).collect();
+        let pages: Vec<(bool, Option<usize>, u64)> = (0..a.pages.len())
+            .map(|p| (a.pages[p].active, a.pages[p].mapped, a.idle_since[p]))
+            .collect();
+        let owners: Vec<Option<usize>> = a.phys.iter().map(|(_, ph)| ph.owner).collect();
+        (free, holes, runs, gaps, pages, owners)
+    }
+
+    #[test]
+    fn a_run_of_single_pages_moves_as_page_by_page_moves_would() {
+        // Guards of several kinds on the pages that move, and a block on
+        // the page after them.
+        let setup = || {
+            let mut a = arena_with_pages(8);
+            let after = |epoch| Guard::After { stream: 7, epoch };
+            a.take(2 * PAGE, PAGE + 512);
+            a.take(3 * PAGE + 512, PAGE);
+            a.take(4 * PAGE + 512, PAGE - 512);
+            a.take(5 * PAGE, 4096);
+            a.give_back(2 * PAGE, PAGE + 512, after(1));
+            a.give_back(3 * PAGE + 512, PAGE, after(2));
+            a.give_back(4 * PAGE + 512, PAGE - 512, Guard::Complete);
+            a.check();
+            a
+        };
+        let (mut one, mut batch) = (setup(), setup());
+        assert_eq!(books(&one), books(&batch));
+        let phys: Vec<usize> = (2..5).map(|p| one.mapping_at(p).unwrap()).collect();
+        for p in 2..5 {
+            one.deactivate(p);
+        }
+        batch.deactivate_singles(2, 3);
+        one.check();
+        batch.check();
+        assert_eq!(books(&one), books(&batch), "deactivated");
+        for a in [&mut one, &mut batch] {
+            for (q, &ph) in (20..).zip(&phys) {
+                a.record_mapping(q, ph);
+            }
+        }
+        for (q, &ph) in (20..).zip(&phys) {
+            one.activate(q, ph);
+        }
+        batch.activate_singles(20, &phys);
+        one.check();
+        batch.check();
+        assert_eq!(books(&one), books(&batch), "activated elsewhere");
+        // Back to their ghosts, next to the block still in use.
+        for q in 20..23 {
+            one.deactivate(q);
+        }
+        batch.deactivate_singles(20, 3);
+        for (q, &ph) in (2..).zip(&phys) {
+            one.activate(q, ph);
+        }
+        batch.activate_singles(2, &phys);
+        one.check();
+        batch.check();
+        assert_eq!(books(&one), books(&batch), "back to the ghosts");
     }
 
     #[test]
