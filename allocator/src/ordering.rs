@@ -170,6 +170,9 @@ const SMALL_CACHE_MAX: usize = 64 << 10;
 #[derive(Debug, Default)]
 pub(crate) struct SizeCache {
     small: Option<Box<SmallSlots>>,
+    /// Bit `i` set: small slot `i` got a block since the last drain (it
+    /// may have been taken since), so a drain visits only these slots.
+    small_pushed: u128,
     large: HashMap<usize, Vec<CachedBlock>, BuildIntHasher>,
 }
 
@@ -180,6 +183,10 @@ const LARGE_KEPT: usize = 64;
 
 /// One slot per multiple of 512 bytes up to [`SMALL_CACHE_MAX`].
 const SMALL_SLOTS: usize = SMALL_CACHE_MAX / CACHE_GRAIN;
+const _: () = assert!(
+    SMALL_SLOTS <= 128,
+    "one bit of SizeCache::small_pushed per slot"
+);
 
 #[derive(Debug)]
 #[repr(C, align(128))]
@@ -225,13 +232,15 @@ impl SizeCache {
     #[inline]
     pub fn push(&mut self, len: usize, block: CachedBlock) {
         match Self::small_slot(len) {
-            Some(i) => self
-                .small
-                .get_or_insert_with(|| {
-                    Box::new(SmallSlots(std::array::from_fn(|_| Slot::default())))
-                })
-                .0[i]
-                .push(block),
+            Some(i) => {
+                self.small_pushed |= 1 << i;
+                self.small
+                    .get_or_insert_with(|| {
+                        Box::new(SmallSlots(std::array::from_fn(|_| Slot::default())))
+                    })
+                    .0[i]
+                    .push(block)
+            }
             None => self.large.entry(len).or_default().push(block),
         }
     }
@@ -262,10 +271,11 @@ impl SizeCache {
     /// lists keep their capacity), oldest first within a length.
     fn drain(&mut self, mut f: impl FnMut(usize, CachedBlock)) {
         if let Some(small) = self.small.as_mut() {
-            for (i, slot) in small.0.iter_mut().enumerate() {
-                if slot.top.is_none() && slot.older.is_empty() {
-                    continue;
-                }
+            let mut pushed = std::mem::take(&mut self.small_pushed);
+            while pushed != 0 {
+                let i = pushed.trailing_zeros() as usize;
+                pushed &= pushed - 1;
+                let slot = &mut small.0[i];
                 let len = (i + 1) * CACHE_GRAIN;
                 for b in slot.older.drain(..) {
                     f(len, b);
@@ -1403,6 +1413,56 @@ mod tests {
         assert_eq!(dev.calls(Op::QueryStream), queries + 1);
         for &s in &streams {
             dev.synchronize_stream(s).unwrap();
+        }
+    }
+
+    #[test]
+    fn a_cache_drain_hands_over_every_block_left_oldest_first_per_length() {
+        let mut cache = SizeCache::default();
+        // The model: per length, the blocks in the order they were pushed.
+        let mut model: std::collections::BTreeMap<usize, Vec<CachedBlock>> = Default::default();
+        let mut x: u64 = 0x243f_6a88_85a3_08d3;
+        let mut next = 0usize;
+        for round in 0..200 {
+            for _ in 0..(round % 7) * 5 {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                // Small lengths (every slot, both ends) and large ones.
+                let len = match x % 4 {
+                    0 => 512,
+                    1 => SMALL_CACHE_MAX,
+                    2 => ((x >> 8) as usize % SMALL_SLOTS + 1) * CACHE_GRAIN,
+                    _ => SMALL_CACHE_MAX + ((x >> 8) as usize % 90 + 1) * CACHE_GRAIN,
+                };
+                if (x >> 40) % 3 == 0 {
+                    let got = cache.pop(len).map(|b| b.offset);
+                    let want = model.get_mut(&len).and_then(|v| v.pop()).map(|b| b.offset);
+                    assert_eq!(got, want, "pop {len}");
+                } else {
+                    next += 1;
+                    let b = CachedBlock {
+                        offset: next * 512,
+                        epoch: round,
+                    };
+                    cache.push(len, b);
+                    model.entry(len).or_default().push(b);
+                }
+            }
+            if round % 3 == 0 {
+                let mut drained: std::collections::BTreeMap<usize, Vec<usize>> = Default::default();
+                cache.drain(|len, b| drained.entry(len).or_default().push(b.offset));
+                let want: std::collections::BTreeMap<usize, Vec<usize>> =
+                    std::mem::take(&mut model)
+                        .into_iter()
+                        .filter(|(_, v)| !v.is_empty())
+                        .map(|(len, v)| (len, v.iter().map(|b| b.offset).collect()))
+                        .collect();
+                assert_eq!(drained, want, "round {round}");
+                let mut again = 0;
+                cache.drain(|_, _| again += 1);
+                assert_eq!(again, 0, "a drained cache is empty");
+            }
         }
     }
 
