@@ -938,12 +938,15 @@ impl Arena {
             if lo >= hi || lo.next_multiple_of(align) + len > hi {
                 continue;
             }
-            // One range: no walk.
-            let first = *self
+            // One range: no walk. A run is cut at the ends of the best-fit
+            // regions, so the free range holding its first byte may start
+            // before it (a range across a region's start).
+            let (fo, first) = self
                 .free
-                .get(&roff)
-                .expect("a run starts with a free range");
-            if first.len == rlen {
+                .last_le(&roff)
+                .map(|(o, r)| (o, *r))
+                .expect("a run lies in free ranges");
+            if fo + first.len >= roff + rlen {
                 if let Some(c) = class(first.guard) {
                     let off = lo.next_multiple_of(align);
                     if c == 0 {
@@ -960,7 +963,7 @@ impl Arena {
             comps.clear();
             comps.extend(
                 self.free
-                    .range(roff, roff + rlen)
+                    .range(fo, roff + rlen)
                     .map(|(o, r)| (o, o + r.len, class(r.guard))),
             );
             let mut levels: u64 = 0;
@@ -1014,6 +1017,25 @@ impl Arena {
             }
         }
         best
+    }
+
+    /// [`find_fit`](Self::find_fit) for a caller that may use every free
+    /// range (class 0 everywhere): the smallest run that holds an aligned
+    /// window in `zone`, at its lowest aligned start; the ranges inside the
+    /// runs are not looked at.
+    pub fn find_fit_any(
+        &self,
+        len: usize,
+        align: usize,
+        zone: &std::ops::Range<usize>,
+    ) -> Option<usize> {
+        self.by_size
+            .iter_from(&(len, 0))
+            .find_map(|((rlen, roff), _)| {
+                let (lo, hi) = (roff.max(zone.start), (roff + rlen).min(zone.end));
+                let off = lo.next_multiple_of(align);
+                (lo < hi && off + len <= hi).then_some(off)
+            })
     }
 
     /// Length of the largest run of adjacent free ranges (whatever their
@@ -1258,6 +1280,45 @@ impl Arena {
         len: usize,
         align: usize,
         zone: &std::ops::Range<usize>,
+        usable: impl FnMut(Guard) -> bool,
+    ) -> Option<usize> {
+        self.first_window_by::<true>(len, align, zone, usable)
+    }
+
+    /// [`first_window`](Self::first_window) for a caller that may use every
+    /// free range (see [`pending_only_of`](Self::pending_only_of)): the
+    /// lowest long enough span with no block in use holds the window, and
+    /// the free ranges inside it are not looked at.
+    pub fn first_window_any(
+        &self,
+        len: usize,
+        align: usize,
+        zone: &std::ops::Range<usize>,
+    ) -> Option<usize> {
+        self.first_window_by::<false>(len, align, zone, |_| true)
+    }
+
+    /// Whether any free range is pending (guarded by a stream's epoch).
+    pub fn any_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// Whether every pending free range is one of `stream`'s (or none is
+    /// pending): then `stream` may use every free range, by stream order.
+    pub fn pending_only_of(&self, stream: u64) -> bool {
+        match (self.pending.first(), self.pending.last()) {
+            (Some((a, _)), Some((b, _))) => a.0 == stream && b.0 == stream,
+            _ => true,
+        }
+    }
+
+    /// [`first_window`](Self::first_window); `WALK` false: every free
+    /// range is usable, none is looked at.
+    fn first_window_by<const WALK: bool>(
+        &self,
+        len: usize,
+        align: usize,
+        zone: &std::ops::Range<usize>,
         mut usable: impl FnMut(Guard) -> bool,
     ) -> Option<usize> {
         if len == 0 || zone.start >= zone.end {
@@ -1273,6 +1334,9 @@ impl Arena {
             let hi = (o + l).min(zone.end);
             let mut s = o.max(zone.start).next_multiple_of(align);
             'window: while s + len <= hi {
+                if !WALK {
+                    return Some(s);
+                }
                 let fs = self.free.last_le(&s).map_or(s, |(fo, _)| fo);
                 for (fo, r) in self.free.range(fs, s + len) {
                     if fo + r.len > s && !usable(r.guard) {
@@ -1921,6 +1985,19 @@ mod tests {
                                 "len {} align {} zone {:?} stream {}", len, align, zone, stream
                             );
                         }
+                        proptest::prop_assert_eq!(
+                            a.find_fit_any(len, align, &zone),
+                            a.find_fit(len, align, &zone, |_| Some(0)).map(|f| f.0),
+                            "best fit, every range usable: len {} align {} zone {:?}",
+                            len,
+                            align,
+                            zone
+                        );
+                        proptest::prop_assert_eq!(
+                            a.first_window_any(len, align, &zone),
+                            a.first_window(len, align, &zone, |_| true),
+                            "every range usable: len {} align {} zone {:?}", len, align, zone
+                        );
                     }
                 }
                 a.check();
@@ -2281,6 +2358,94 @@ mod tests {
         one.check();
         batch.check();
         assert_eq!(books(&one), books(&batch), "back to the ghosts");
+    }
+
+    #[test]
+    fn best_fit_finds_a_run_cut_at_a_region_start_inside_a_free_range() {
+        let mut a = Arena::new(64 * PAGE, PAGE);
+        a.set_best_fit_regions(vec![0..2 * PAGE, 3 * PAGE..64 * PAGE]);
+        for p in 0..6 {
+            let idx = a.phys.insert(PhysPage {
+                handle: Physical(p as u64),
+                pages: 1,
+                owner: None,
+                mappings: Vec::new(),
+            });
+            a.record_mapping(p, idx);
+            a.activate(p, idx);
+        }
+        a.check();
+        // One free range [0, 6 pages) holds the run [3 pages, 6 pages).
+        assert_eq!(a.free_at(0).map(|r| r.len), Some(6 * PAGE));
+        let zone = 3 * PAGE..64 * PAGE;
+        assert_eq!(a.find_fit(PAGE, 1, &zone, |_| Some(0)), Some((3 * PAGE, 0)));
+        assert_eq!(a.find_fit_any(PAGE, 1, &zone), Some(3 * PAGE));
+        // A range of another class inside the run: the walk starts at the
+        // range holding the run's first byte.
+        a.take(4 * PAGE, PAGE);
+        a.give_back(
+            4 * PAGE,
+            PAGE,
+            Guard::After {
+                stream: 1,
+                epoch: 1,
+            },
+        );
+        a.check();
+        let class = |g: Guard| match g {
+            Guard::Complete => Some(1),
+            Guard::After { .. } => Some(0),
+        };
+        assert_eq!(a.find_fit(2 * PAGE, 1, &zone, class), Some((3 * PAGE, 1)));
+    }
+
+    #[test]
+    fn pending_ranges_of_another_stream_are_seen() {
+        let mut a = arena_with_pages(2);
+        assert!(a.pending_only_of(1), "nothing pending");
+        a.take(0, 8192);
+        a.take(8192, 8192);
+        a.take(3 * 8192, 8192);
+        a.give_back(
+            0,
+            8192,
+            Guard::After {
+                stream: 2,
+                epoch: 1,
+            },
+        );
+        assert!(a.pending_only_of(2));
+        assert!(!a.pending_only_of(1), "stream 2's range is pending");
+        a.give_back(
+            3 * 8192,
+            8192,
+            Guard::After {
+                stream: 1,
+                epoch: 4,
+            },
+        );
+        assert!(
+            !a.pending_only_of(1) && !a.pending_only_of(2),
+            "both pending"
+        );
+        a.give_back(
+            8192,
+            8192,
+            Guard::After {
+                stream: 3,
+                epoch: 1,
+            },
+        );
+        assert!(
+            !a.pending_only_of(3),
+            "the lowest and highest streams are not 3"
+        );
+        a.settle(|g| match g {
+            Guard::After { stream: 1 | 3, .. } => Some(Guard::Complete),
+            _ => None,
+        });
+        a.check();
+        assert!(a.pending_only_of(2) && !a.pending_only_of(1));
     }
 
     #[test]

@@ -224,6 +224,12 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
         Some((e.0, &e.1))
     }
 
+    /// The entry with the largest key.
+    pub fn last(&self) -> Option<(K, &V)> {
+        let e = self.chunks.last()?.last()?;
+        Some((e.0, &e.1))
+    }
+
     /// Every entry, in key order.
     pub fn iter(&self) -> Iter<'_, K, V> {
         Iter {
@@ -413,6 +419,10 @@ mod tests {
                     .map(|(k, &v)| (k, v))
                     .eq(model.range(q..).map(|(&k, &v)| (k, v))));
                 assert_eq!(map.first().map(|(k, &v)| (k, v)), kv(model.iter().next()));
+                assert_eq!(
+                    map.last().map(|(k, &v)| (k, v)),
+                    kv(model.iter().next_back())
+                );
                 assert_eq!(map.len(), model.len());
                 map.check();
             }

@@ -117,16 +117,12 @@ impl<D: Device> Pages<'_, D> {
             best_window(st, len, 1, &(0..st.arena.va_size()), me, clock, reuse)
         } else if st.first_fit(len) {
             let s: &ArenaState = st;
-            s.arena
-                .first_window(len, s.align(len), &s.zone(len), |g| {
-                    s.classify(g, me, clock, reuse).is_some()
-                })
-                .map(|start| {
-                    let need = (start / page..=(start + len - 1) / page)
-                        .filter(|&p| !s.arena.is_active(p))
-                        .count();
-                    (0, need, start)
-                })
+            s.first_window_for(len, me, clock, reuse).map(|start| {
+                let need = (start / page..=(start + len - 1) / page)
+                    .filter(|&p| !s.arena.is_active(p))
+                    .count();
+                (0, need, start)
+            })
         } else if st.align(len) > 1 {
             best_window(st, len, st.align(len), &st.zone(len), me, clock, reuse)
         } else {
