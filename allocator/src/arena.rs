@@ -194,6 +194,12 @@ impl Gaps {
     fn reshape(&mut self, old: usize, new: usize, len: usize) {
         let slot = self.spans.rekey(&old, new).expect("span exists");
         let was = std::mem::replace(slot, len);
+        self.reshaped(old, new, len, was);
+    }
+
+    /// The leaves after the span of `was` bytes at `old` became `[new,
+    /// new + len)` in the map.
+    fn reshaped(&mut self, old: usize, new: usize, len: usize, was: usize) {
         let (po, pn) = (old / self.page, new / self.page);
         if po != pn || len < was {
             self.lost(po, was);
@@ -218,37 +224,63 @@ impl Gaps {
     }
 
     fn release_in(&mut self, off: usize, len: usize) {
+        let pos = self.spans.lower_bound(&off);
         let left = self
             .spans
-            .last_lt(&off)
+            .before(pos)
             .filter(|&(lo, &ll)| lo + ll == off)
             .map(|(lo, &ll)| (lo, ll));
-        let right = self.spans.get(&(off + len)).copied();
+        let right = self
+            .spans
+            .at(pos)
+            .filter(|&(ro, _)| ro == off + len)
+            .map(|(_, &rl)| rl);
         match (left, right) {
             (Some((lo, ll)), Some(rl)) => {
                 self.remove(off + len);
                 self.reshape(lo, lo, ll + len + rl);
             }
-            (Some((lo, ll)), None) => self.reshape(lo, lo, ll + len),
-            (None, Some(rl)) => self.reshape(off + len, off, len + rl),
-            (None, None) => self.insert(off, len),
+            (Some((lo, ll)), None) => {
+                *self.spans.before_mut(pos).expect("left span") = ll + len;
+                self.reshaped(lo, lo, ll + len, ll);
+            }
+            (None, Some(rl)) => {
+                *self.spans.rekey_at(pos, off).expect("right span") = len + rl;
+                self.reshaped(off + len, off, len + rl, rl);
+            }
+            (None, None) => {
+                self.spans.insert_at(pos, off, len);
+                let p = off / self.page;
+                if len > self.tree[self.leaves + p] {
+                    self.set_leaf(p, len);
+                }
+            }
         }
     }
 
     fn occupy_in(&mut self, off: usize, len: usize) {
+        // The span holding `off` is the one before the first key past it.
+        let pos = self.spans.lower_bound(&(off + 1));
         let (so, &sl) = self
             .spans
-            .last_le(&off)
+            .before(pos)
             .expect("occupied bytes lie in a span");
         let end = off + len;
         assert!(so + sl >= end, "occupied bytes lie in a span");
         match (off > so, so + sl > end) {
             (true, true) => {
-                self.reshape(so, so, off - so);
+                *self.spans.before_mut(pos).expect("span") = off - so;
+                self.reshaped(so, so, off - so, sl);
                 self.insert(end, so + sl - end);
             }
-            (true, false) => self.reshape(so, so, off - so),
-            (false, true) => self.reshape(so, end, so + sl - end),
+            (true, false) => {
+                *self.spans.before_mut(pos).expect("span") = off - so;
+                self.reshaped(so, so, off - so, sl);
+            }
+            (false, true) => {
+                *self.spans.rekey_before(pos, end).expect("span") = so + sl - end;
+                self.reshaped(so, end, so + sl - end, sl);
+            }
             (false, false) => {
                 self.remove(so);
             }
@@ -760,57 +792,57 @@ impl Arena {
     /// (the left neighbour first, then the right one under the merged
     /// guard). A range merged into its left neighbour keeps that
     /// neighbour's key: its entry by address is updated in place.
-    fn insert_free(&mut self, off: usize, mut len: usize, mut guard: Guard) {
-        let mut left: Option<(usize, usize)> = None; // (offset, old length)
-        if let Some((lo, l)) = self.free.last_lt(&off) {
-            if lo + l.len == off {
-                if let Some(g) = l.guard.merge(guard) {
-                    left = Some((lo, l.len));
-                    guard = g;
+    fn insert_free(&mut self, off: usize, len: usize, guard: Guard) {
+        // One search: the ranges on either side of `off` are read and
+        // rewritten in place, or the new one goes between them.
+        let pos = self.free.lower_bound(&off);
+        let left = self
+            .free
+            .before(pos)
+            .filter(|&(lo, l)| lo + l.len == off)
+            .and_then(|(lo, &l)| l.guard.merge(guard).map(|g| (lo, l, g)));
+        let after_left = left.map_or(guard, |(_, _, g)| g);
+        let right = self
+            .free
+            .at(pos)
+            .filter(|&(ro, _)| ro == off + len)
+            .and_then(|(ro, &r)| r.guard.merge(after_left).map(|g| (ro, r, g)));
+        match (left, right) {
+            (None, None) => {
+                self.free.insert_at(pos, off, FreeRange { len, guard });
+                self.index_pending(off, guard);
+            }
+            (Some((lo, l, g)), None) => {
+                *self.free.before_mut(pos).expect("left neighbour") = FreeRange {
+                    len: l.len + len,
+                    guard: g,
+                };
+                if l.guard != g {
+                    self.unindex_pending(lo, l.guard);
+                    self.index_pending(lo, g);
                 }
             }
-        }
-        if let Some(g) = self
-            .free
-            .get(&(off + len))
-            .and_then(|r| r.guard.merge(guard))
-        {
-            if left.is_none() {
+            (None, Some((ro, r, g))) => {
                 // Only the right neighbour: it grows down to `off`, in
                 // place (no range starts inside the bytes given back).
-                let r = self.free.rekey(&(off + len), off).expect("right neighbour");
-                let old = std::mem::replace(
-                    r,
-                    FreeRange {
-                        len: len + r.len,
-                        guard: g,
-                    },
-                );
-                self.reindex_pending(off + len, old.guard, off, g);
-                return;
-            }
-            let r = self
-                .free
-                .remove(&(off + len))
-                .expect("right neighbour exists");
-            self.unindex_pending(off + len, r.guard);
-            len += r.len;
-            guard = g;
-        }
-        match left {
-            Some((lo, llen)) => {
-                let merged = FreeRange {
-                    len: llen + len,
-                    guard,
+                *self.free.rekey_at(pos, off).expect("right neighbour") = FreeRange {
+                    len: len + r.len,
+                    guard: g,
                 };
-                let slot = self.free.get_mut(&lo).expect("left neighbour exists");
-                let old = std::mem::replace(slot, merged).guard;
-                if old != guard {
-                    self.unindex_pending(lo, old);
-                    self.index_pending(lo, guard);
+                self.reindex_pending(ro, r.guard, off, g);
+            }
+            (Some((lo, l, _)), Some((ro, r, g))) => {
+                self.free.remove(&ro);
+                self.unindex_pending(ro, r.guard);
+                *self.free.get_mut(&lo).expect("left neighbour") = FreeRange {
+                    len: l.len + len + r.len,
+                    guard: g,
+                };
+                if l.guard != g {
+                    self.unindex_pending(lo, l.guard);
+                    self.index_pending(lo, g);
                 }
             }
-            None => self.insert_raw(off, FreeRange { len, guard }),
         }
     }
 
@@ -845,25 +877,26 @@ impl Arena {
         let end = off + len;
         self.run_remove(off, len);
         self.gaps.occupy(off, len);
-        // Usually one free range covers the block: cut it in place.
-        if let Some((o, r)) = self.free.last_le_mut(&off) {
-            if o + r.len >= end {
-                let old = *r;
+        // Usually one free range covers the block: cut it in place. It is
+        // the one before the first key past `off`.
+        let pos = self.free.lower_bound(&(off + 1));
+        if let Some((o, &old)) = self.free.before(pos) {
+            if o + old.len >= end {
                 if o < off {
-                    r.len = off - o;
+                    self.free.before_mut(pos).expect("range").len = off - o;
                     if o + old.len > end {
-                        self.insert_raw(
-                            end,
-                            FreeRange {
-                                len: o + old.len - end,
-                                guard: old.guard,
-                            },
-                        );
+                        // Between the range and the next one: `pos`.
+                        let rest = FreeRange {
+                            len: o + old.len - end,
+                            guard: old.guard,
+                        };
+                        self.free.insert_at(pos, end, rest);
+                        self.index_pending(end, old.guard);
                     }
                 } else if o + old.len > end {
                     // The block starts the range: what is left of it moves
                     // up in place (no range starts inside the block).
-                    self.free.rekey(&o, end).expect("range exists").len = o + old.len - end;
+                    self.free.rekey_before(pos, end).expect("range").len = o + old.len - end;
                     self.reindex_pending(o, old.guard, end, old.guard);
                 } else {
                     self.remove_raw(o);

@@ -19,6 +19,14 @@ const CHUNK: usize = 32;
 /// in one chunk.
 const CHUNK_MIN: usize = CHUNK / 4;
 
+/// A place in an [`OrdMap`] found by [`OrdMap::lower_bound`]: valid until
+/// the map next changes.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Pos {
+    c: usize,
+    i: usize,
+}
+
 #[derive(Debug, Clone)]
 pub(crate) struct OrdMap<K, V> {
     /// The first key of each chunk (chunks are never empty).
@@ -107,13 +115,18 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
             }
         }
         self.len += 1;
+        self.split(c);
+        None
+    }
+
+    /// Chunk `c`, past its size, splits in two.
+    fn split(&mut self, c: usize) {
         if self.chunks[c].len() > CHUNK {
             let mut upper = Vec::with_capacity(CHUNK + 1);
             upper.extend(self.chunks[c].drain(CHUNK / 2..));
             self.firsts.insert(c + 1, upper[0].0);
             self.chunks.insert(c + 1, upper);
         }
-        None
     }
 
     /// Move the entry of `old` to key `new`, where no other key lies
@@ -122,6 +135,10 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
     /// no entry.
     pub fn rekey(&mut self, old: &K, new: K) -> Option<&mut V> {
         let (c, i) = self.find(old)?;
+        self.rekey_entry(c, i, new)
+    }
+
+    fn rekey_entry(&mut self, c: usize, i: usize, new: K) -> Option<&mut V> {
         let chunk = &self.chunks[c];
         let after_prev = match i.checked_sub(1) {
             Some(j) => chunk[j].0 < new,
@@ -138,6 +155,102 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
         let e = &mut self.chunks[c][i];
         e.0 = new;
         Some(&mut e.1)
+    }
+
+    /// The place of the first entry with a key at least `k` (or past the
+    /// last entry): one search, after which the entries on either side of
+    /// `k` are read, rewritten or joined by a new one with no other.
+    #[inline]
+    pub fn lower_bound(&self, k: &K) -> Pos {
+        match self.chunk_le(k) {
+            None => Pos { c: 0, i: 0 },
+            Some(c) => Pos {
+                c,
+                i: self.chunks[c].partition_point(|e| e.0 < *k),
+            },
+        }
+    }
+
+    /// `pos` as (chunk, index) of an entry, if one is at or after it.
+    #[inline]
+    fn entry_at(&self, pos: Pos) -> Option<(usize, usize)> {
+        let chunk = self.chunks.get(pos.c)?;
+        if pos.i < chunk.len() {
+            Some((pos.c, pos.i))
+        } else {
+            (pos.c + 1 < self.chunks.len()).then_some((pos.c + 1, 0))
+        }
+    }
+
+    /// The entry before `pos` as (chunk, index), if any.
+    #[inline]
+    fn entry_before(&self, pos: Pos) -> Option<(usize, usize)> {
+        if pos.i > 0 {
+            Some((pos.c, pos.i - 1))
+        } else if pos.c > 0 {
+            Some((pos.c - 1, self.chunks[pos.c - 1].len() - 1))
+        } else {
+            None
+        }
+    }
+
+    /// The entry at `pos` (the first with a key at least the one searched).
+    #[inline]
+    pub fn at(&self, pos: Pos) -> Option<(K, &V)> {
+        let (c, i) = self.entry_at(pos)?;
+        let e = &self.chunks[c][i];
+        Some((e.0, &e.1))
+    }
+
+    /// The entry before `pos` (the last with a key below the one searched).
+    #[inline]
+    pub fn before(&self, pos: Pos) -> Option<(K, &V)> {
+        let (c, i) = self.entry_before(pos)?;
+        let e = &self.chunks[c][i];
+        Some((e.0, &e.1))
+    }
+
+    /// The value of the entry before `pos`, mutable.
+    #[inline]
+    pub fn before_mut(&mut self, pos: Pos) -> Option<&mut V> {
+        let (c, i) = self.entry_before(pos)?;
+        Some(&mut self.chunks[c][i].1)
+    }
+
+    /// [`rekey`](Self::rekey) of the entry at `pos`.
+    pub fn rekey_at(&mut self, pos: Pos, new: K) -> Option<&mut V> {
+        let (c, i) = self.entry_at(pos)?;
+        self.rekey_entry(c, i, new)
+    }
+
+    /// [`rekey`](Self::rekey) of the entry before `pos`.
+    pub fn rekey_before(&mut self, pos: Pos, new: K) -> Option<&mut V> {
+        let (c, i) = self.entry_before(pos)?;
+        self.rekey_entry(c, i, new)
+    }
+
+    /// Insert `k` at `pos`, between the entries before and at it (the
+    /// caller's promise, checked): no search.
+    pub fn insert_at(&mut self, pos: Pos, k: K, v: V) {
+        assert!(
+            self.before(pos).is_none_or(|(b, _)| b < k) && self.at(pos).is_none_or(|(a, _)| k < a),
+            "an entry inserted at its place"
+        );
+        if self.chunks.is_empty() {
+            let mut chunk = Vec::with_capacity(CHUNK + 1);
+            chunk.push((k, v));
+            self.firsts.push(k);
+            self.chunks.push(chunk);
+            self.len = 1;
+            return;
+        }
+        let Pos { c, i } = pos;
+        self.chunks[c].insert(i, (k, v));
+        if i == 0 {
+            self.firsts[c] = k;
+        }
+        self.len += 1;
+        self.split(c);
     }
 
     /// Remove the entry of `k`; returns its value.
@@ -190,6 +303,7 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
 
     /// [`last_le`](Self::last_le), the value mutable.
     #[inline]
+    #[cfg(test)]
     pub fn last_le_mut(&mut self, k: &K) -> Option<(K, &mut V)> {
         let c = self.chunk_le(k)?;
         let chunk = &mut self.chunks[c];
@@ -388,6 +502,39 @@ mod tests {
             if let Some((k, v)) = map.last_lt_mut(&q) {
                 *v += 1;
                 *model.get_mut(&k).unwrap() += 1;
+            }
+            // Through a place: the neighbours of `q`, and an insert there.
+            let pos = map.lower_bound(&q);
+            assert_eq!(mine(map.at(pos)), kv(model.range(q..).next()));
+            assert_eq!(mine(map.before(pos)), kv(model.range(..q).next_back()));
+            if step % 5 == 0 && !model.contains_key(&q) {
+                map.insert_at(pos, q, step);
+                model.insert(q, step);
+            } else if step % 5 == 1 {
+                if let Some(v) = map.before_mut(pos) {
+                    *v += 3;
+                    *model.range_mut(..q).next_back().unwrap().1 += 3;
+                }
+            } else if step % 5 == 2 {
+                // The entry at the place moves down to `q` where free.
+                if let Some((&a, _)) = model.range(q..).next() {
+                    if a != q {
+                        let v = map.rekey_at(pos, q).map(|v| *v);
+                        let m = model.remove(&a).unwrap();
+                        model.insert(q, m);
+                        assert_eq!(v, Some(m));
+                    }
+                }
+            } else if step % 5 == 3 {
+                // The entry before the place moves up to `q - 1`.
+                if let Some((&b, _)) = model.range(..q).next_back() {
+                    if b + 1 < q {
+                        let v = map.rekey_before(pos, q - 1).map(|v| *v);
+                        let m = model.remove(&b).unwrap();
+                        model.insert(q - 1, m);
+                        assert_eq!(v, Some(m));
+                    }
+                }
             }
             // Move a key up to just below the next one, or down to just
             // above the previous one.
