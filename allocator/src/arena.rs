@@ -747,40 +747,67 @@ impl Arena {
         self.by_size.insert((len, new), ());
     }
 
+    /// The run of `was` bytes at `old` became `[new, new + len)` by
+    /// address: its entry by length follows.
+    fn run_resized(&mut self, old: usize, was: usize, new: usize, len: usize) {
+        self.by_size.remove(&(was, old));
+        self.by_size.insert((len, new), ());
+    }
+
     fn run_add_in(&mut self, off: usize, len: usize) {
+        let pos = self.runs.lower_bound(&off);
         let left = self
             .runs
-            .last_lt(&off)
+            .before(pos)
             .filter(|&(lo, &ll)| lo + ll == off)
             .map(|(lo, &ll)| (lo, ll));
-        let right = self.runs.get(&(off + len)).copied();
+        let right = self
+            .runs
+            .at(pos)
+            .filter(|&(ro, _)| ro == off + len)
+            .map(|(_, &rl)| rl);
         match (left, right) {
             (Some((lo, ll)), Some(rl)) => {
                 self.runs.remove(&(off + len));
                 self.by_size.remove(&(rl, off + len));
                 self.run_reshape(lo, lo, ll + len + rl);
             }
-            (Some((lo, ll)), None) => self.run_reshape(lo, lo, ll + len),
-            (None, Some(rl)) => self.run_reshape(off + len, off, len + rl),
+            (Some((lo, ll)), None) => {
+                *self.runs.before_mut(pos).expect("left run") = ll + len;
+                self.run_resized(lo, ll, lo, ll + len);
+            }
+            (None, Some(rl)) => {
+                *self.runs.rekey_at(pos, off).expect("right run") = len + rl;
+                self.run_resized(off + len, rl, off, len + rl);
+            }
             (None, None) => {
-                self.runs.insert(off, len);
+                self.runs.insert_at(pos, off, len);
                 self.by_size.insert((len, off), ());
             }
         }
     }
 
     fn run_remove_in(&mut self, off: usize, len: usize) {
-        let (ro, &rl) = self.runs.last_le(&off).expect("removed bytes lie in a run");
+        // The run holding `off` is the one before the first key past it.
+        let pos = self.runs.lower_bound(&(off + 1));
+        let (ro, &rl) = self.runs.before(pos).expect("removed bytes lie in a run");
         let end = off + len;
         assert!(ro + rl >= end, "removed bytes lie in a run");
         match (off > ro, ro + rl > end) {
             (true, true) => {
-                self.run_reshape(ro, ro, off - ro);
-                self.runs.insert(end, ro + rl - end);
+                *self.runs.before_mut(pos).expect("run") = off - ro;
+                self.run_resized(ro, rl, ro, off - ro);
+                self.runs.insert_at(pos, end, ro + rl - end);
                 self.by_size.insert((ro + rl - end, end), ());
             }
-            (true, false) => self.run_reshape(ro, ro, off - ro),
-            (false, true) => self.run_reshape(ro, end, ro + rl - end),
+            (true, false) => {
+                *self.runs.before_mut(pos).expect("run") = off - ro;
+                self.run_resized(ro, rl, ro, off - ro);
+            }
+            (false, true) => {
+                *self.runs.rekey_before(pos, end).expect("run") = ro + rl - end;
+                self.run_resized(ro, rl, end, ro + rl - end);
+            }
             (false, false) => {
                 self.runs.remove(&ro);
                 self.by_size.remove(&(rl, ro));
