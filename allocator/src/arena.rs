@@ -18,8 +18,10 @@
 //! never share physical memory.
 //! This module is bookkeeping only; the device calls are made by the policy.
 
+use crate::ordmap::OrdMap;
 use slab::Slab;
-use std::collections::{BTreeMap, BTreeSet};
+#[cfg(test)]
+use std::collections::BTreeSet;
 use tidepool_sys::Physical;
 
 /// A set of page numbers below a bound fixed at creation: one bit per page,
@@ -114,7 +116,7 @@ impl PageSet {
 /// the spans starting in its page only when its longest one goes).
 #[derive(Debug, Clone)]
 struct Gaps {
-    spans: BTreeMap<usize, usize>,
+    spans: OrdMap<usize, usize>,
     tree: Vec<usize>,
     leaves: usize,
     page: usize,
@@ -127,7 +129,7 @@ impl Gaps {
     fn new(va_size: usize, page: usize, region: std::ops::Range<usize>) -> Self {
         let leaves = (va_size / page).next_power_of_two();
         let mut g = Gaps {
-            spans: BTreeMap::new(),
+            spans: OrdMap::new(),
             tree: vec![0; 2 * leaves],
             leaves,
             page,
@@ -168,18 +170,43 @@ impl Gaps {
 
     fn remove(&mut self, off: usize) -> usize {
         let len = self.spans.remove(&off).expect("span exists");
-        let p = off / self.page;
+        self.lost(off / self.page, len);
+        len
+    }
+
+    /// A span of `len` bytes starting in page `p` went or shrank: the
+    /// leaf is looked at again if that span was its longest.
+    fn lost(&mut self, p: usize, len: usize) {
         if len == self.tree[self.leaves + p] {
             let start = p * self.page;
             let m = self
                 .spans
-                .range(start..start + self.page)
+                .range(start, start + self.page)
                 .map(|(_, &l)| l)
                 .max()
                 .unwrap_or(0);
             self.set_leaf(p, m);
         }
-        len
+    }
+
+    /// The span at `old` becomes `[new, new + len)`, where no other span
+    /// starts between `old` and `new`: rewritten in place.
+    fn reshape(&mut self, old: usize, new: usize, len: usize) {
+        let slot = self.spans.rekey(&old, new).expect("span exists");
+        let was = std::mem::replace(slot, len);
+        self.reshaped(old, new, len, was);
+    }
+
+    /// The leaves after the span of `was` bytes at `old` became `[new,
+    /// new + len)` in the map.
+    fn reshaped(&mut self, old: usize, new: usize, len: usize, was: usize) {
+        let (po, pn) = (old / self.page, new / self.page);
+        if po != pn || len < was {
+            self.lost(po, was);
+        }
+        if len > self.tree[self.leaves + pn] {
+            self.set_leaf(pn, len);
+        }
     }
 
     /// Bytes `[off, off+len)` stop being used: merge with the spans around.
@@ -196,33 +223,67 @@ impl Gaps {
         }
     }
 
-    fn release_in(&mut self, mut off: usize, mut len: usize) {
-        if let Some((&lo, &ll)) = self.spans.range(..off).next_back() {
-            if lo + ll == off {
-                self.remove(lo);
-                off = lo;
-                len += ll;
+    fn release_in(&mut self, off: usize, len: usize) {
+        let pos = self.spans.lower_bound(&off);
+        let left = self
+            .spans
+            .before(pos)
+            .filter(|&(lo, &ll)| lo + ll == off)
+            .map(|(lo, &ll)| (lo, ll));
+        let right = self
+            .spans
+            .at(pos)
+            .filter(|&(ro, _)| ro == off + len)
+            .map(|(_, &rl)| rl);
+        match (left, right) {
+            (Some((lo, ll)), Some(rl)) => {
+                self.remove(off + len);
+                self.reshape(lo, lo, ll + len + rl);
+            }
+            (Some((lo, ll)), None) => {
+                *self.spans.before_mut(pos).expect("left span") = ll + len;
+                self.reshaped(lo, lo, ll + len, ll);
+            }
+            (None, Some(rl)) => {
+                *self.spans.rekey_at(pos, off).expect("right span") = len + rl;
+                self.reshaped(off + len, off, len + rl, rl);
+            }
+            (None, None) => {
+                self.spans.insert_at(pos, off, len);
+                let p = off / self.page;
+                if len > self.tree[self.leaves + p] {
+                    self.set_leaf(p, len);
+                }
             }
         }
-        if self.spans.contains_key(&(off + len)) {
-            len += self.remove(off + len);
-        }
-        self.insert(off, len);
     }
 
     fn occupy_in(&mut self, off: usize, len: usize) {
-        let (&so, &sl) = self
+        // The span holding `off` is the one before the first key past it.
+        let pos = self.spans.lower_bound(&(off + 1));
+        let (so, &sl) = self
             .spans
-            .range(..=off)
-            .next_back()
+            .before(pos)
             .expect("occupied bytes lie in a span");
-        assert!(so + sl >= off + len, "occupied bytes lie in a span");
-        self.remove(so);
-        if off > so {
-            self.insert(so, off - so);
-        }
-        if so + sl > off + len {
-            self.insert(off + len, so + sl - off - len);
+        let end = off + len;
+        assert!(so + sl >= end, "occupied bytes lie in a span");
+        match (off > so, so + sl > end) {
+            (true, true) => {
+                *self.spans.before_mut(pos).expect("span") = off - so;
+                self.reshaped(so, so, off - so, sl);
+                self.insert(end, so + sl - end);
+            }
+            (true, false) => {
+                *self.spans.before_mut(pos).expect("span") = off - so;
+                self.reshaped(so, so, off - so, sl);
+            }
+            (false, true) => {
+                *self.spans.rekey_before(pos, end).expect("span") = so + sl - end;
+                self.reshaped(so, end, so + sl - end, sl);
+            }
+            (false, false) => {
+                self.remove(so);
+            }
         }
     }
 
@@ -334,15 +395,15 @@ pub(crate) struct Arena {
     phys: Slab<PhysPage>,
     /// Physical pages active nowhere (they may still have ghost mappings).
     spare: Vec<usize>,
-    free: BTreeMap<usize, FreeRange>,
+    free: OrdMap<usize, FreeRange>,
     /// Maximal runs of adjacent free ranges, whatever their guards: start
     /// to length, and by (length, start). A block may span several ranges
     /// of a run when each of them is usable by its stream.
-    runs: BTreeMap<usize, usize>,
-    by_size: BTreeSet<(usize, usize)>,
+    runs: OrdMap<usize, usize>,
+    by_size: OrdMap<(usize, usize), ()>,
     /// Where best fit is used (see `set_best_fit_regions`).
     fit_regions: Vec<std::ops::Range<usize>>,
-    holes: BTreeMap<usize, usize>,
+    holes: OrdMap<usize, usize>,
     /// The spans no block uses, for first fit by address.
     gaps: Gaps,
     /// Mapped pages that no block overlaps.
@@ -355,7 +416,7 @@ pub(crate) struct Arena {
     idle_clock: u64,
     /// The pending free ranges by (stream, epoch, offset): `settle` looks
     /// only at these, per stream, oldest first.
-    pending: BTreeSet<(u64, u64, usize)>,
+    pending: OrdMap<(u64, u64, usize), ()>,
     /// Reused by `settle` (no allocation per call).
     settle_scratch: Vec<(usize, FreeRange, Guard)>,
     reserved: u64,
@@ -369,24 +430,24 @@ pub(crate) struct Arena {
 impl Arena {
     pub fn new(va_size: usize, page: usize) -> Self {
         assert!(page > 0 && va_size % page == 0 && va_size > 0);
-        let mut holes = BTreeMap::new();
+        let mut holes = OrdMap::new();
         holes.insert(0, va_size);
         Arena {
             page,
             pages: vec![PageSlot::default(); va_size / page],
             phys: Slab::new(),
             spare: Vec::new(),
-            free: BTreeMap::new(),
-            runs: BTreeMap::new(),
+            free: OrdMap::new(),
+            runs: OrdMap::new(),
             fit_regions: std::iter::once(0..va_size).collect(),
-            by_size: BTreeSet::new(),
+            by_size: OrdMap::new(),
             holes,
             gaps: Gaps::new(va_size, page, 0..va_size),
             idle: PageSet::new(va_size / page),
             mapped: PageSet::new(va_size / page),
             idle_since: vec![0; va_size / page],
             idle_clock: 0,
-            pending: BTreeSet::new(),
+            pending: OrdMap::new(),
             settle_scratch: Vec::new(),
             reserved: 0,
             reserved_high: 0,
@@ -593,7 +654,22 @@ impl Arena {
 
     fn index_pending(&mut self, off: usize, guard: Guard) {
         if let Guard::After { stream, epoch } = guard {
-            self.pending.insert((stream, epoch, off));
+            self.pending.insert((stream, epoch, off), ());
+        }
+    }
+
+    /// The range at `old` under `was` now starts at `new` under `now`,
+    /// where no free range starts between `old` and `new`.
+    fn reindex_pending(&mut self, old: usize, was: Guard, new: usize, now: Guard) {
+        match (was, now) {
+            (Guard::After { stream, epoch }, _) if was == now => {
+                self.pending
+                    .rekey(&(stream, epoch, old), (stream, epoch, new));
+            }
+            _ => {
+                self.unindex_pending(old, was);
+                self.index_pending(new, now);
+            }
         }
     }
 
@@ -662,40 +738,80 @@ impl Arena {
         }
     }
 
-    fn run_add_in(&mut self, mut off: usize, mut len: usize) {
-        if let Some((&lo, &ll)) = self.runs.range(..off).next_back() {
-            if lo + ll == off {
-                self.runs.remove(&lo);
-                self.by_size.remove(&(ll, lo));
-                off = lo;
-                len += ll;
+    /// The run at `old` becomes `[new, new + len)`, where no other run
+    /// starts between `old` and `new`: rewritten in place by address.
+    fn run_reshape(&mut self, old: usize, new: usize, len: usize) {
+        let slot = self.runs.rekey(&old, new).expect("run exists");
+        let was = std::mem::replace(slot, len);
+        self.by_size.remove(&(was, old));
+        self.by_size.insert((len, new), ());
+    }
+
+    /// The run of `was` bytes at `old` became `[new, new + len)` by
+    /// address: its entry by length follows.
+    fn run_resized(&mut self, old: usize, was: usize, new: usize, len: usize) {
+        self.by_size.remove(&(was, old));
+        self.by_size.insert((len, new), ());
+    }
+
+    fn run_add_in(&mut self, off: usize, len: usize) {
+        let pos = self.runs.lower_bound(&off);
+        let left = self
+            .runs
+            .before(pos)
+            .filter(|&(lo, &ll)| lo + ll == off)
+            .map(|(lo, &ll)| (lo, ll));
+        let right = self
+            .runs
+            .at(pos)
+            .filter(|&(ro, _)| ro == off + len)
+            .map(|(_, &rl)| rl);
+        match (left, right) {
+            (Some((lo, ll)), Some(rl)) => {
+                self.runs.remove(&(off + len));
+                self.by_size.remove(&(rl, off + len));
+                self.run_reshape(lo, lo, ll + len + rl);
+            }
+            (Some((lo, ll)), None) => {
+                *self.runs.before_mut(pos).expect("left run") = ll + len;
+                self.run_resized(lo, ll, lo, ll + len);
+            }
+            (None, Some(rl)) => {
+                *self.runs.rekey_at(pos, off).expect("right run") = len + rl;
+                self.run_resized(off + len, rl, off, len + rl);
+            }
+            (None, None) => {
+                self.runs.insert_at(pos, off, len);
+                self.by_size.insert((len, off), ());
             }
         }
-        if let Some(rl) = self.runs.remove(&(off + len)) {
-            self.by_size.remove(&(rl, off + len));
-            len += rl;
-        }
-        self.runs.insert(off, len);
-        self.by_size.insert((len, off));
     }
 
     fn run_remove_in(&mut self, off: usize, len: usize) {
-        let (&ro, &rl) = self
-            .runs
-            .range(..=off)
-            .next_back()
-            .expect("removed bytes lie in a run");
-        assert!(ro + rl >= off + len, "removed bytes lie in a run");
-        self.runs.remove(&ro);
-        self.by_size.remove(&(rl, ro));
-        if off > ro {
-            self.runs.insert(ro, off - ro);
-            self.by_size.insert((off - ro, ro));
-        }
-        if ro + rl > off + len {
-            let (o, l) = (off + len, ro + rl - off - len);
-            self.runs.insert(o, l);
-            self.by_size.insert((l, o));
+        // The run holding `off` is the one before the first key past it.
+        let pos = self.runs.lower_bound(&(off + 1));
+        let (ro, &rl) = self.runs.before(pos).expect("removed bytes lie in a run");
+        let end = off + len;
+        assert!(ro + rl >= end, "removed bytes lie in a run");
+        match (off > ro, ro + rl > end) {
+            (true, true) => {
+                *self.runs.before_mut(pos).expect("run") = off - ro;
+                self.run_resized(ro, rl, ro, off - ro);
+                self.runs.insert_at(pos, end, ro + rl - end);
+                self.by_size.insert((ro + rl - end, end), ());
+            }
+            (true, false) => {
+                *self.runs.before_mut(pos).expect("run") = off - ro;
+                self.run_resized(ro, rl, ro, off - ro);
+            }
+            (false, true) => {
+                *self.runs.rekey_before(pos, end).expect("run") = ro + rl - end;
+                self.run_resized(ro, rl, end, ro + rl - end);
+            }
+            (false, false) => {
+                self.runs.remove(&ro);
+                self.by_size.remove(&(rl, ro));
+            }
         }
     }
 
@@ -703,38 +819,57 @@ impl Arena {
     /// (the left neighbour first, then the right one under the merged
     /// guard). A range merged into its left neighbour keeps that
     /// neighbour's key: its entry by address is updated in place.
-    fn insert_free(&mut self, off: usize, mut len: usize, mut guard: Guard) {
-        let mut left: Option<(usize, usize)> = None; // (offset, old length)
-        if let Some((&lo, &l)) = self.free.range(..off).next_back() {
-            if lo + l.len == off {
-                if let Some(g) = l.guard.merge(guard) {
-                    left = Some((lo, l.len));
-                    guard = g;
-                }
+    fn insert_free(&mut self, off: usize, len: usize, guard: Guard) {
+        // One search: the ranges on either side of `off` are read and
+        // rewritten in place, or the new one goes between them.
+        let pos = self.free.lower_bound(&off);
+        let left = self
+            .free
+            .before(pos)
+            .filter(|&(lo, l)| lo + l.len == off)
+            .and_then(|(lo, &l)| l.guard.merge(guard).map(|g| (lo, l, g)));
+        let after_left = left.map_or(guard, |(_, _, g)| g);
+        let right = self
+            .free
+            .at(pos)
+            .filter(|&(ro, _)| ro == off + len)
+            .and_then(|(ro, &r)| r.guard.merge(after_left).map(|g| (ro, r, g)));
+        match (left, right) {
+            (None, None) => {
+                self.free.insert_at(pos, off, FreeRange { len, guard });
+                self.index_pending(off, guard);
             }
-        }
-        if let std::collections::btree_map::Entry::Occupied(e) = self.free.entry(off + len) {
-            if let Some(g) = e.get().guard.merge(guard) {
-                let r = e.remove();
-                self.unindex_pending(off + len, r.guard);
-                len += r.len;
-                guard = g;
-            }
-        }
-        match left {
-            Some((lo, llen)) => {
-                let merged = FreeRange {
-                    len: llen + len,
-                    guard,
+            (Some((lo, l, g)), None) => {
+                *self.free.before_mut(pos).expect("left neighbour") = FreeRange {
+                    len: l.len + len,
+                    guard: g,
                 };
-                let slot = self.free.get_mut(&lo).expect("left neighbour exists");
-                let old = std::mem::replace(slot, merged).guard;
-                if old != guard {
-                    self.unindex_pending(lo, old);
-                    self.index_pending(lo, guard);
+                if l.guard != g {
+                    self.unindex_pending(lo, l.guard);
+                    self.index_pending(lo, g);
                 }
             }
-            None => self.insert_raw(off, FreeRange { len, guard }),
+            (None, Some((ro, r, g))) => {
+                // Only the right neighbour: it grows down to `off`, in
+                // place (no range starts inside the bytes given back).
+                *self.free.rekey_at(pos, off).expect("right neighbour") = FreeRange {
+                    len: len + r.len,
+                    guard: g,
+                };
+                self.reindex_pending(ro, r.guard, off, g);
+            }
+            (Some((lo, l, _)), Some((ro, r, g))) => {
+                self.free.remove(&ro);
+                self.unindex_pending(ro, r.guard);
+                *self.free.get_mut(&lo).expect("left neighbour") = FreeRange {
+                    len: l.len + len + r.len,
+                    guard: g,
+                };
+                if l.guard != g {
+                    self.unindex_pending(lo, l.guard);
+                    self.index_pending(lo, g);
+                }
+            }
         }
     }
 
@@ -769,34 +904,40 @@ impl Arena {
         let end = off + len;
         self.run_remove(off, len);
         self.gaps.occupy(off, len);
-        // Usually one free range covers the block: cut it in place.
-        if let Some((&o, r)) = self.free.range_mut(..=off).next_back() {
-            if o + r.len >= end {
-                let old = *r;
+        // Usually one free range covers the block: cut it in place. It is
+        // the one before the first key past `off`.
+        let pos = self.free.lower_bound(&(off + 1));
+        if let Some((o, &old)) = self.free.before(pos) {
+            if o + old.len >= end {
                 if o < off {
-                    r.len = off - o;
-                } else {
-                    self.remove_raw(o);
-                }
-                if o + old.len > end {
-                    self.insert_raw(
-                        end,
-                        FreeRange {
+                    self.free.before_mut(pos).expect("range").len = off - o;
+                    if o + old.len > end {
+                        // Between the range and the next one: `pos`.
+                        let rest = FreeRange {
                             len: o + old.len - end,
                             guard: old.guard,
-                        },
-                    );
+                        };
+                        self.free.insert_at(pos, end, rest);
+                        self.index_pending(end, old.guard);
+                    }
+                } else if o + old.len > end {
+                    // The block starts the range: what is left of it moves
+                    // up in place (no range starts inside the block).
+                    self.free.rekey_before(pos, end).expect("range").len = o + old.len - end;
+                    self.reindex_pending(o, old.guard, end, old.guard);
+                } else {
+                    self.remove_raw(o);
                 }
                 self.add_users(off, len);
                 return;
             }
         }
-        let start = self.free.range(..=off).next_back().map_or(off, |(&o, _)| o);
+        let start = self.free.last_le(&off).map_or(off, |(o, _)| o);
         let overlapping: Vec<usize> = self
             .free
-            .range(start..end)
-            .filter(|(&o, r)| o + r.len > off)
-            .map(|(&o, _)| o)
+            .range(start, end)
+            .filter(|(o, r)| o + r.len > off)
+            .map(|(o, _)| o)
             .collect();
         let mut cursor = off;
         for o in overlapping {
@@ -852,14 +993,20 @@ impl Arena {
         let mut best: Option<(usize, u8)> = None;
         // The ranges of a run of several: (start, end, class).
         let mut comps: Vec<(usize, usize, Option<u8>)> = Vec::new();
-        for &(rlen, roff) in self.by_size.range((len, 0)..) {
+        for ((rlen, roff), _) in self.by_size.iter_from(&(len, 0)) {
             let (lo, hi) = (roff.max(zone.start), (roff + rlen).min(zone.end));
             if lo >= hi || lo.next_multiple_of(align) + len > hi {
                 continue;
             }
-            // One range: no walk.
-            let first = self.free[&roff];
-            if first.len == rlen {
+            // One range: no walk. A run is cut at the ends of the best-fit
+            // regions, so the free range holding its first byte may start
+            // before it (a range across a region's start).
+            let (fo, first) = self
+                .free
+                .last_le(&roff)
+                .map(|(o, r)| (o, *r))
+                .expect("a run lies in free ranges");
+            if fo + first.len >= roff + rlen {
                 if let Some(c) = class(first.guard) {
                     let off = lo.next_multiple_of(align);
                     if c == 0 {
@@ -876,8 +1023,8 @@ impl Arena {
             comps.clear();
             comps.extend(
                 self.free
-                    .range(roff..roff + rlen)
-                    .map(|(&o, r)| (o, o + r.len, class(r.guard))),
+                    .range(fo, roff + rlen)
+                    .map(|(o, r)| (o, o + r.len, class(r.guard))),
             );
             let mut levels: u64 = 0;
             for &(_, _, c) in &comps {
@@ -932,11 +1079,30 @@ impl Arena {
         best
     }
 
+    /// [`find_fit`](Self::find_fit) for a caller that may use every free
+    /// range (class 0 everywhere): the smallest run that holds an aligned
+    /// window in `zone`, at its lowest aligned start; the ranges inside the
+    /// runs are not looked at.
+    pub fn find_fit_any(
+        &self,
+        len: usize,
+        align: usize,
+        zone: &std::ops::Range<usize>,
+    ) -> Option<usize> {
+        self.by_size
+            .iter_from(&(len, 0))
+            .find_map(|((rlen, roff), _)| {
+                let (lo, hi) = (roff.max(zone.start), (roff + rlen).min(zone.end));
+                let off = lo.next_multiple_of(align);
+                (lo < hi && off + len <= hi).then_some(off)
+            })
+    }
+
     /// Length of the largest run of adjacent free ranges (whatever their
     /// guards).
     pub fn largest_free(&self) -> usize {
         let (mut best, mut run) = (0, None::<(usize, usize)>);
-        for (&o, r) in &self.free {
+        for (o, r) in self.free.iter() {
             run = match run {
                 Some((ro, rl)) if ro + rl == o => Some((ro, rl + r.len)),
                 _ => Some((o, r.len)),
@@ -956,7 +1122,7 @@ impl Arena {
     /// ranges that are all `usable`: the lowest such start.
     pub fn usable_from(&self, off: usize, mut usable: impl FnMut(Guard) -> bool) -> usize {
         let mut at = off;
-        for (&o, r) in self.free.range(..off).rev() {
+        for (o, r) in self.free.iter_rev_lt(&off) {
             if o + r.len != at || !usable(r.guard) {
                 break;
             }
@@ -969,7 +1135,7 @@ impl Arena {
     /// ranges that are all `usable`: the highest such end.
     pub fn usable_to(&self, end: usize, mut usable: impl FnMut(Guard) -> bool) -> usize {
         let mut at = end;
-        for (&o, r) in self.free.range(end..) {
+        for (o, r) in self.free.iter_from(&end) {
             if o != at || !usable(r.guard) {
                 break;
             }
@@ -987,12 +1153,12 @@ impl Arena {
     pub fn settle(&mut self, mut upgrade: impl FnMut(Guard) -> Option<Guard>) {
         let mut changed = std::mem::take(&mut self.settle_scratch);
         changed.clear();
-        let mut next = self.pending.iter().next().map(|k| k.0);
+        let mut next = self.pending.first().map(|(k, _)| k.0);
         while let Some(stream) = next {
             self.collect_settled(stream, &mut upgrade, &mut changed);
             next = stream
                 .checked_add(1)
-                .and_then(|s| self.pending.range((s, 0, 0)..).next().map(|k| k.0));
+                .and_then(|s| self.pending.iter_from(&(s, 0, 0)).next().map(|(k, _)| k.0));
         }
         self.apply_settled(changed, upgrade);
     }
@@ -1022,12 +1188,13 @@ impl Arena {
         upgrade: &mut impl FnMut(Guard) -> Option<Guard>,
         changed: &mut Vec<(usize, FreeRange, Guard)>,
     ) {
-        for &(_, epoch, off) in self
+        for ((_, epoch, off), _) in self
             .pending
-            .range((stream, 0, 0)..=(stream, u64::MAX, usize::MAX))
+            .iter_from(&(stream, 0, 0))
+            .take_while(|(k, _)| k.0 == stream)
         {
             match upgrade(Guard::After { stream, epoch }) {
-                Some(g) => changed.push((off, self.free[&off], g)),
+                Some(g) => changed.push((off, *self.free.get(&off).expect("indexed"), g)),
                 None => break,
             }
         }
@@ -1054,7 +1221,7 @@ impl Arena {
                 self.insert_free(o, r.len, g);
                 continue;
             }
-            let Some((&start, &cur)) = self.free.range(..=o).next_back() else {
+            let Some((start, &cur)) = self.free.last_le(&o) else {
                 continue;
             };
             if start + cur.len <= o {
@@ -1075,14 +1242,14 @@ impl Arena {
         let changed: Vec<(usize, FreeRange, Guard)> = self
             .free
             .iter()
-            .filter_map(|(&o, &r)| upgrade(r.guard).map(|g| (o, r, g)))
+            .filter_map(|(o, &r)| upgrade(r.guard).map(|g| (o, r, g)))
             .collect();
         self.apply_settled(changed, upgrade);
     }
 
     /// Every free range, for a pass over all of them.
     pub fn free_ranges(&self) -> impl Iterator<Item = (usize, FreeRange)> + '_ {
-        self.free.iter().map(|(&o, &r)| (o, r))
+        self.free.iter().map(|(o, &r)| (o, r))
     }
 
     // ----- pages -----
@@ -1142,20 +1309,18 @@ impl Arena {
         let mut out: Vec<(usize, usize, Option<Guard>)> = Vec::new();
         let fs = self
             .free
-            .range(..=range.start)
-            .next_back()
-            .map_or(range.start, |(&o, _)| o);
-        for (&o, r) in self.free.range(fs..range.end) {
+            .last_le(&range.start)
+            .map_or(range.start, |(o, _)| o);
+        for (o, r) in self.free.range(fs, range.end) {
             if o + r.len > range.start {
                 out.push((o, r.len, Some(r.guard)));
             }
         }
         let hs = self
             .holes
-            .range(..=range.start)
-            .next_back()
-            .map_or(range.start, |(&o, _)| o);
-        for (&o, &l) in self.holes.range(hs..range.end) {
+            .last_le(&range.start)
+            .map_or(range.start, |(o, _)| o);
+        for (o, &l) in self.holes.range(hs, range.end) {
             if o + l > range.start {
                 out.push((o, l, None));
             }
@@ -1175,6 +1340,45 @@ impl Arena {
         len: usize,
         align: usize,
         zone: &std::ops::Range<usize>,
+        usable: impl FnMut(Guard) -> bool,
+    ) -> Option<usize> {
+        self.first_window_by::<true>(len, align, zone, usable)
+    }
+
+    /// [`first_window`](Self::first_window) for a caller that may use every
+    /// free range (see [`pending_only_of`](Self::pending_only_of)): the
+    /// lowest long enough span with no block in use holds the window, and
+    /// the free ranges inside it are not looked at.
+    pub fn first_window_any(
+        &self,
+        len: usize,
+        align: usize,
+        zone: &std::ops::Range<usize>,
+    ) -> Option<usize> {
+        self.first_window_by::<false>(len, align, zone, |_| true)
+    }
+
+    /// Whether any free range is pending (guarded by a stream's epoch).
+    pub fn any_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// Whether every pending free range is one of `stream`'s (or none is
+    /// pending): then `stream` may use every free range, by stream order.
+    pub fn pending_only_of(&self, stream: u64) -> bool {
+        match (self.pending.first(), self.pending.last()) {
+            (Some((a, _)), Some((b, _))) => a.0 == stream && b.0 == stream,
+            _ => true,
+        }
+    }
+
+    /// [`first_window`](Self::first_window); `WALK` false: every free
+    /// range is usable, none is looked at.
+    fn first_window_by<const WALK: bool>(
+        &self,
+        len: usize,
+        align: usize,
+        zone: &std::ops::Range<usize>,
         mut usable: impl FnMut(Guard) -> bool,
     ) -> Option<usize> {
         if len == 0 || zone.start >= zone.end {
@@ -1190,8 +1394,11 @@ impl Arena {
             let hi = (o + l).min(zone.end);
             let mut s = o.max(zone.start).next_multiple_of(align);
             'window: while s + len <= hi {
-                let fs = self.free.range(..=s).next_back().map_or(s, |(&fo, _)| fo);
-                for (&fo, r) in self.free.range(fs..s + len) {
+                if !WALK {
+                    return Some(s);
+                }
+                let fs = self.free.last_le(&s).map_or(s, |(fo, _)| fo);
+                for (fo, r) in self.free.range(fs, s + len) {
                     if fo + r.len > s && !usable(r.guard) {
                         s = (fo + r.len).next_multiple_of(align);
                         continue 'window;
@@ -1203,7 +1410,7 @@ impl Arena {
         };
         // The span holding the zone's start...
         let mut from = zone.start;
-        if let Some((&o, &l)) = self.gaps.spans.range(..=zone.start).next_back() {
+        if let Some((o, &l)) = self.gaps.spans.last_le(&zone.start) {
             if o + l > zone.start {
                 if let Some(s) = in_span(o, l) {
                     return Some(s);
@@ -1219,7 +1426,7 @@ impl Arena {
             if lo + len > zone.end {
                 return None;
             }
-            for (&o, &l) in self.gaps.spans.range(lo..(q + 1) * page) {
+            for (o, &l) in self.gaps.spans.range(lo, (q + 1) * page) {
                 if l >= len {
                     if let Some(s) = in_span(o, l) {
                         return Some(s);
@@ -1246,23 +1453,21 @@ impl Arena {
     ) -> Option<usize> {
         let fs = self
             .free
-            .range(..=zone.start)
-            .next_back()
-            .map_or(zone.start, |(&o, _)| o);
+            .last_le(&zone.start)
+            .map_or(zone.start, |(o, _)| o);
         let hs = self
             .holes
-            .range(..=zone.start)
-            .next_back()
-            .map_or(zone.start, |(&o, _)| o);
+            .last_le(&zone.start)
+            .map_or(zone.start, |(o, _)| o);
         let mut free = self
             .free
-            .range(fs..zone.end)
-            .map(|(&o, r)| (o, r.len, Some(r.guard)))
+            .range(fs, zone.end)
+            .map(|(o, r)| (o, r.len, Some(r.guard)))
             .peekable();
         let mut holes = self
             .holes
-            .range(hs..zone.end)
-            .map(|(&o, &l)| (o, l, None))
+            .range(hs, zone.end)
+            .map(|(o, &l)| (o, l, None))
             .peekable();
         let mut span: Option<(usize, usize)> = None;
         loop {
@@ -1303,7 +1508,7 @@ impl Arena {
     }
 
     pub fn holes(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
-        self.holes.iter().map(|(&o, &l)| (o, l))
+        self.holes.iter().map(|(o, &l)| (o, l))
     }
 
     /// When idle page `p` fell idle: lower is longer ago.
@@ -1319,10 +1524,10 @@ impl Arena {
     /// Whether `f` holds for the guard of every free range on page `p`.
     pub fn page_guards_all(&self, p: usize, mut f: impl FnMut(Guard) -> bool) -> bool {
         let (ps, pe) = (p * self.page, (p + 1) * self.page);
-        let start = self.free.range(..=ps).next_back().map_or(ps, |(&o, _)| o);
+        let start = self.free.last_le(&ps).map_or(ps, |(o, _)| o);
         self.free
-            .range(start..pe)
-            .filter(|(&o, r)| o + r.len > ps)
+            .range(start, pe)
+            .filter(|(o, r)| o + r.len > ps)
             .all(|(_, r)| f(r.guard))
     }
 
@@ -1338,38 +1543,60 @@ impl Arena {
             self.phys[phys].owner.is_none(),
             "physical page active twice"
         );
-        for q in p..p + self.phys[phys].pages {
-            self.activate_page(q, phys);
+        let k = self.phys[phys].pages;
+        for q in p..p + k {
+            assert_eq!(
+                self.pages[q].mapped,
+                Some(phys),
+                "activating an unmapped page"
+            );
         }
+        self.activate_pages(p, k);
         self.phys[phys].owner = Some(p);
     }
 
-    fn activate_page(&mut self, p: usize, phys: usize) {
-        assert_eq!(
-            self.pages[p].mapped,
-            Some(phys),
-            "activating an unmapped page"
-        );
-        let (ps, pe) = (p * self.page, (p + 1) * self.page);
-        let (&ho, &hl) = self
-            .holes
-            .range(..=ps)
-            .next_back()
-            .expect("mapped page lies in a hole");
+    /// Single physical pages `phys[i]`, each already mapped at page
+    /// `p + i` (holes), become active there, as many calls of
+    /// [`activate`](Self::activate) in page order would make them, with
+    /// the books of the whole run updated once.
+    pub fn activate_singles(&mut self, p: usize, phys: &[usize]) {
+        for (q, &i) in (p..).zip(phys) {
+            assert_eq!(self.phys[i].pages, 1, "a unit is activated whole");
+            assert!(self.phys[i].owner.is_none(), "physical page active twice");
+            assert_eq!(self.pages[q].mapped, Some(i), "activating an unmapped page");
+        }
+        self.activate_pages(p, phys.len());
+        for (q, &i) in (p..).zip(phys) {
+            self.phys[i].owner = Some(q);
+        }
+    }
+
+    /// Pages `p..p + n`, mapped holes, become active: their bytes become
+    /// one free range with nothing pending (merged with its neighbours).
+    fn activate_pages(&mut self, p: usize, n: usize) {
+        let (ps, pe) = (p * self.page, (p + n) * self.page);
+        let (ho, &hl) = self.holes.last_le(&ps).expect("mapped page lies in a hole");
         assert!(ho + hl >= pe, "mapped page lies in a hole");
-        self.holes.remove(&ho);
-        if ps > ho {
-            self.holes.insert(ho, ps - ho);
+        // The hole is cut in place where the page is at one end of it.
+        match (ps > ho, ho + hl > pe) {
+            (true, true) => {
+                *self.holes.get_mut(&ho).expect("hole") = ps - ho;
+                self.holes.insert(pe, ho + hl - pe);
+            }
+            (true, false) => *self.holes.get_mut(&ho).expect("hole") = ps - ho,
+            (false, true) => *self.holes.rekey(&ho, pe).expect("hole") = ho + hl - pe,
+            (false, false) => {
+                self.holes.remove(&ho);
+            }
         }
-        if ho + hl > pe {
-            self.holes.insert(pe, ho + hl - pe);
+        for q in p..p + n {
+            self.pages[q].active = true;
+            self.idle.insert(q);
+            self.idle_since[q] = self.idle_clock;
+            self.idle_clock += 1;
         }
-        self.pages[p].active = true;
-        self.idle.insert(p);
-        self.idle_since[p] = self.idle_clock;
-        self.idle_clock += 1;
-        self.run_add(ps, self.page);
-        self.insert_free(ps, self.page, Guard::Complete);
+        self.run_add(ps, pe - ps);
+        self.insert_free(ps, pe - ps, Guard::Complete);
     }
 
     /// The unit active at page `p` (its first page), idle on every page,
@@ -1387,19 +1614,40 @@ impl Arena {
         for q in p..p + k {
             assert_eq!(self.pages[q].users, 0, "unmapping a page in use");
         }
-        for q in p..p + k {
-            self.deactivate_page(q);
-        }
+        self.deactivate_pages(p, k);
         self.phys[phys].owner = None;
         phys
     }
 
-    fn deactivate_page(&mut self, p: usize) {
-        let (ps, pe) = (p * self.page, (p + 1) * self.page);
-        self.run_remove(ps, self.page);
+    /// The single physical pages active at pages `p..p + n`, idle, stop
+    /// being active, as many calls of [`deactivate`](Self::deactivate)
+    /// would make them, with the books of the whole run updated once.
+    pub fn deactivate_singles(&mut self, p: usize, n: usize) {
+        for q in p..p + n {
+            let phys = self.pages[q].mapped.expect("active page is mapped");
+            assert_eq!(self.phys[phys].pages, 1, "a unit is deactivated whole");
+            assert_eq!(
+                self.phys[phys].owner,
+                Some(q),
+                "deactivating a page not active"
+            );
+            assert_eq!(self.pages[q].users, 0, "unmapping a page in use");
+        }
+        self.deactivate_pages(p, n);
+        for q in p..p + n {
+            let phys = self.pages[q].mapped.expect("active page is mapped");
+            self.phys[phys].owner = None;
+        }
+    }
+
+    /// Pages `p..p + n`, active and idle, become holes (their mappings
+    /// stay, as ghosts): their free ranges are cut out.
+    fn deactivate_pages(&mut self, p: usize, n: usize) {
+        let (ps, pe) = (p * self.page, (p + n) * self.page);
+        self.run_remove(ps, pe - ps);
         // The free ranges overlapping the page, from the highest down: the
         // parts outside the page stay free.
-        while let Some((&o, r)) = self.free.range_mut(..pe).next_back() {
+        while let Some((o, r)) = self.free.last_lt_mut(&pe) {
             if o + r.len <= ps {
                 break;
             }
@@ -1423,21 +1671,28 @@ impl Arena {
             }
         }
         // Add the hole, merging with neighbouring holes.
-        let (mut ho, mut hl) = (ps, self.page);
-        if let Some((&lo, &ll)) = self.holes.range(..ps).next_back() {
-            if lo + ll == ps {
-                self.holes.remove(&lo);
-                ho = lo;
-                hl += ll;
+        let left = self
+            .holes
+            .last_lt(&ps)
+            .filter(|&(lo, &ll)| lo + ll == ps)
+            .map(|(lo, _)| lo);
+        let right = self.holes.get(&pe).copied();
+        match (left, right) {
+            (Some(lo), Some(rl)) => {
+                self.holes.remove(&pe);
+                *self.holes.get_mut(&lo).expect("hole") += pe - ps + rl;
+            }
+            (Some(lo), None) => *self.holes.get_mut(&lo).expect("hole") += pe - ps,
+            (None, Some(rl)) => *self.holes.rekey(&pe, ps).expect("hole") = pe - ps + rl,
+            (None, None) => {
+                self.holes.insert(ps, pe - ps);
             }
         }
-        if let Some(rl) = self.holes.remove(&pe) {
-            hl += rl;
+        for q in p..p + n {
+            self.idle.remove(q);
+            assert!(self.pages[q].active, "deactivating an inactive page");
+            self.pages[q].active = false;
         }
-        self.holes.insert(ho, hl);
-        self.idle.remove(p);
-        assert!(self.pages[p].active, "deactivating an inactive page");
-        self.pages[p].active = false;
     }
 
     /// Check every invariant (tests only; linear time).
@@ -1447,8 +1702,8 @@ impl Arena {
         let mut items: Vec<(usize, usize, bool)> = self
             .free
             .iter()
-            .map(|(&o, r)| (o, r.len, true))
-            .chain(self.holes.iter().map(|(&o, &l)| (o, l, false)))
+            .map(|(o, r)| (o, r.len, true))
+            .chain(self.holes.iter().map(|(o, &l)| (o, l, false)))
             .collect();
         items.sort();
         for (o, l, is_free) in &items {
@@ -1467,7 +1722,7 @@ impl Arena {
         }
         // The runs are the maximal unions of adjacent free ranges.
         let mut runs: Vec<(usize, usize)> = Vec::new();
-        for (&o, r) in &self.free {
+        for (o, r) in self.free.iter() {
             assert!(r.len > 0, "empty free range at {o}");
             for (po, pl) in self.in_fit_regions(o, r.len) {
                 match runs.last_mut() {
@@ -1479,7 +1734,7 @@ impl Arena {
         assert!(
             self.runs
                 .iter()
-                .map(|(&o, &l)| (o, l))
+                .map(|(o, &l)| (o, l))
                 .eq(runs.iter().copied()),
             "runs disagree with the free ranges"
         );
@@ -1495,7 +1750,7 @@ impl Arena {
             self.gaps
                 .spans
                 .iter()
-                .map(|(&o, &l)| (o, l))
+                .map(|(o, &l)| (o, l))
                 .eq(gaps.iter().copied()),
             "gaps disagree with the free ranges and holes"
         );
@@ -1503,7 +1758,7 @@ impl Arena {
             let want = self
                 .gaps
                 .spans
-                .range(p * self.page..(p + 1) * self.page)
+                .range(p * self.page, (p + 1) * self.page)
                 .map(|(_, &l)| l)
                 .max()
                 .unwrap_or(0);
@@ -1516,15 +1771,27 @@ impl Arena {
         let pending: BTreeSet<(u64, u64, usize)> = self
             .free
             .iter()
-            .filter_map(|(&o, r)| match r.guard {
+            .filter_map(|(o, r)| match r.guard {
                 Guard::After { stream, epoch } => Some((stream, epoch, o)),
                 Guard::Complete => None,
             })
             .collect();
-        assert_eq!(self.pending, pending, "pending index disagrees");
+        assert!(
+            self.pending
+                .iter()
+                .map(|(k, _)| k)
+                .eq(pending.iter().copied()),
+            "pending index disagrees"
+        );
+        self.pending.check();
+        self.free.check();
+        self.holes.check();
+        self.runs.check();
+        self.by_size.check();
+        self.gaps.spans.check();
         assert_eq!(self.runs.len(), self.by_size.len());
-        for (&o, &l) in &self.runs {
-            assert!(self.by_size.contains(&(l, o)), "by_size misses {o}");
+        for (o, &l) in self.runs.iter() {
+            assert!(self.by_size.contains_key(&(l, o)), "by_size misses {o}");
         }
         for (i, phys) in self.phys.iter() {
             if let Some(p) = phys.owner {
@@ -1757,7 +2024,7 @@ mod tests {
                     _ => {
                         // Half the time exactly the length of a span
                         // with no block in use (the edge of every test).
-                        let spans: Vec<usize> = a.gaps.spans.values().copied().collect();
+                        let spans: Vec<usize> = a.gaps.spans.iter().map(|(_, &l)| l).collect();
                         let len = if x % 2 == 0 {
                             spans[(x >> 1) % spans.len()]
                         } else {
@@ -1778,6 +2045,19 @@ mod tests {
                                 "len {} align {} zone {:?} stream {}", len, align, zone, stream
                             );
                         }
+                        proptest::prop_assert_eq!(
+                            a.find_fit_any(len, align, &zone),
+                            a.find_fit(len, align, &zone, |_| Some(0)).map(|f| f.0),
+                            "best fit, every range usable: len {} align {} zone {:?}",
+                            len,
+                            align,
+                            zone
+                        );
+                        proptest::prop_assert_eq!(
+                            a.first_window_any(len, align, &zone),
+                            a.first_window(len, align, &zone, |_| true),
+                            "every range usable: len {} align {} zone {:?}", len, align, zone
+                        );
                     }
                 }
                 a.check();
@@ -2071,6 +2351,161 @@ mod tests {
         a.activate(1, phys);
         a.check();
         assert_eq!(a.largest_free(), 3 * PAGE - 100);
+    }
+
+    /// Everything a run of pages changes, for comparing two arenas.
+    fn books(a: &Arena) -> impl PartialEq + std::fmt::Debug {
+        let free: Vec<(usize, usize, Guard)> =
+            a.free_ranges().map(|(o, r)| (o, r.len, r.guard)).collect();
+        let holes: Vec<(usize, usize)> = a.holes().collect();
+        let runs: Vec<(usize, usize)> = a.runs.iter().map(|(o, &l)| (o, l)).collect();
+        let gaps: Vec<(usize, usize)> = a.gaps.spans.iter().map(|(o, &l)| (o, l)).collect();
+        let pages: Vec<(bool, Option<usize>, u64)> = (0..a.pages.len())
+            .map(|p| (a.pages[p].active, a.pages[p].mapped, a.idle_since[p]))
+            .collect();
+        let owners: Vec<Option<usize>> = a.phys.iter().map(|(_, ph)| ph.owner).collect();
+        (free, holes, runs, gaps, pages, owners)
+    }
+
+    #[test]
+    fn a_run_of_single_pages_moves_as_page_by_page_moves_would() {
+        // Guards of several kinds on the pages that move, and a block on
+        // the page after them.
+        let setup = || {
+            let mut a = arena_with_pages(8);
+            let after = |epoch| Guard::After { stream: 7, epoch };
+            a.take(2 * PAGE, PAGE + 512);
+            a.take(3 * PAGE + 512, PAGE);
+            a.take(4 * PAGE + 512, PAGE - 512);
+            a.take(5 * PAGE, 4096);
+            a.give_back(2 * PAGE, PAGE + 512, after(1));
+            a.give_back(3 * PAGE + 512, PAGE, after(2));
+            a.give_back(4 * PAGE + 512, PAGE - 512, Guard::Complete);
+            a.check();
+            a
+        };
+        let (mut one, mut batch) = (setup(), setup());
+        assert_eq!(books(&one), books(&batch));
+        let phys: Vec<usize> = (2..5).map(|p| one.mapping_at(p).unwrap()).collect();
+        for p in 2..5 {
+            one.deactivate(p);
+        }
+        batch.deactivate_singles(2, 3);
+        one.check();
+        batch.check();
+        assert_eq!(books(&one), books(&batch), "deactivated");
+        for a in [&mut one, &mut batch] {
+            for (q, &ph) in (20..).zip(&phys) {
+                a.record_mapping(q, ph);
+            }
+        }
+        for (q, &ph) in (20..).zip(&phys) {
+            one.activate(q, ph);
+        }
+        batch.activate_singles(20, &phys);
+        one.check();
+        batch.check();
+        assert_eq!(books(&one), books(&batch), "activated elsewhere");
+        // Back to their ghosts, next to the block still in use.
+        for q in 20..23 {
+            one.deactivate(q);
+        }
+        batch.deactivate_singles(20, 3);
+        for (q, &ph) in (2..).zip(&phys) {
+            one.activate(q, ph);
+        }
+        batch.activate_singles(2, &phys);
+        one.check();
+        batch.check();
+        assert_eq!(books(&one), books(&batch), "back to the ghosts");
+    }
+
+    #[test]
+    fn best_fit_finds_a_run_cut_at_a_region_start_inside_a_free_range() {
+        let mut a = Arena::new(64 * PAGE, PAGE);
+        a.set_best_fit_regions(vec![0..2 * PAGE, 3 * PAGE..64 * PAGE]);
+        for p in 0..6 {
+            let idx = a.phys.insert(PhysPage {
+                handle: Physical(p as u64),
+                pages: 1,
+                owner: None,
+                mappings: Vec::new(),
+            });
+            a.record_mapping(p, idx);
+            a.activate(p, idx);
+        }
+        a.check();
+        // One free range [0, 6 pages) holds the run [3 pages, 6 pages).
+        assert_eq!(a.free_at(0).map(|r| r.len), Some(6 * PAGE));
+        let zone = 3 * PAGE..64 * PAGE;
+        assert_eq!(a.find_fit(PAGE, 1, &zone, |_| Some(0)), Some((3 * PAGE, 0)));
+        assert_eq!(a.find_fit_any(PAGE, 1, &zone), Some(3 * PAGE));
+        // A range of another class inside the run: the walk starts at the
+        // range holding the run's first byte.
+        a.take(4 * PAGE, PAGE);
+        a.give_back(
+            4 * PAGE,
+            PAGE,
+            Guard::After {
+                stream: 1,
+                epoch: 1,
+            },
+        );
+        a.check();
+        let class = |g: Guard| match g {
+            Guard::Complete => Some(1),
+            Guard::After { .. } => Some(0),
+        };
+        assert_eq!(a.find_fit(2 * PAGE, 1, &zone, class), Some((3 * PAGE, 1)));
+    }
+
+    #[test]
+    fn pending_ranges_of_another_stream_are_seen() {
+        let mut a = arena_with_pages(2);
+        assert!(a.pending_only_of(1), "nothing pending");
+        a.take(0, 8192);
+        a.take(8192, 8192);
+        a.take(3 * 8192, 8192);
+        a.give_back(
+            0,
+            8192,
+            Guard::After {
+                stream: 2,
+                epoch: 1,
+            },
+        );
+        assert!(a.pending_only_of(2));
+        assert!(!a.pending_only_of(1), "stream 2's range is pending");
+        a.give_back(
+            3 * 8192,
+            8192,
+            Guard::After {
+                stream: 1,
+                epoch: 4,
+            },
+        );
+        assert!(
+            !a.pending_only_of(1) && !a.pending_only_of(2),
+            "both pending"
+        );
+        a.give_back(
+            8192,
+            8192,
+            Guard::After {
+                stream: 3,
+                epoch: 1,
+            },
+        );
+        assert!(
+            !a.pending_only_of(3),
+            "the lowest and highest streams are not 3"
+        );
+        a.settle(|g| match g {
+            Guard::After { stream: 1 | 3, .. } => Some(Guard::Complete),
+            _ => None,
+        });
+        a.check();
+        assert!(a.pending_only_of(2) && !a.pending_only_of(1));
     }
 
     #[test]

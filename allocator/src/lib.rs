@@ -71,6 +71,7 @@ mod config;
 pub mod cudarc;
 mod error;
 mod ordering;
+mod ordmap;
 mod pages;
 mod placement;
 mod policy;

@@ -180,11 +180,23 @@ pub(crate) struct SizeCache {
     last_len: usize,
     last: Slot,
     small: Option<Box<SmallSlots>>,
+    /// Bit `i` set: small slot `i` got a block since the last drain (it
+    /// may have been taken since), so a drain visits only these slots.
+    small_pushed: u128,
     large: HashMap<usize, Vec<CachedBlock>, BuildIntHasher>,
 }
 
+/// Most lengths above [`SMALL_CACHE_MAX`] whose lists a flush of the cache
+/// keeps (empty) for the next frees of those lengths; beyond that many the
+/// lists go, so that a flush visits at most this many empty ones.
+const LARGE_KEPT: usize = 64;
+
 /// One slot per multiple of 512 bytes up to [`SMALL_CACHE_MAX`].
 const SMALL_SLOTS: usize = SMALL_CACHE_MAX / CACHE_GRAIN;
+const _: () = assert!(
+    SMALL_SLOTS <= 128,
+    "one bit of SizeCache::small_pushed per slot"
+);
 
 #[derive(Debug)]
 #[repr(C, align(128))]
@@ -286,10 +298,13 @@ impl SizeCache {
             return;
         }
         match Self::small_slot(len) {
-            Some(i) => match &mut self.small {
-                Some(small) => small.0[i].push(block),
-                None => self.first_small(i, block),
-            },
+            Some(i) => {
+                self.small_pushed |= 1 << i;
+                match &mut self.small {
+                    Some(small) => small.0[i].push(block),
+                    None => self.first_small(i, block),
+                }
+            }
             None => self.large.entry(len).or_default().push(block),
         }
     }
@@ -326,14 +341,28 @@ impl SizeCache {
     /// lists keep their capacity), oldest first within a length.
     fn drain(&mut self, mut f: impl FnMut(usize, CachedBlock)) {
         if let Some(small) = self.small.as_mut() {
-            for (i, slot) in small.0.iter_mut().enumerate() {
+            let mut pushed = std::mem::take(&mut self.small_pushed);
+            while pushed != 0 {
+                let i = pushed.trailing_zeros() as usize;
+                pushed &= pushed - 1;
+                let slot = &mut small.0[i];
                 let len = (i + 1) * CACHE_GRAIN;
                 slot.drain(|b| f(len, b));
             }
         }
-        for (len, blocks) in self.large.drain() {
-            for b in blocks {
-                f(len, b);
+        if self.large.len() <= LARGE_KEPT {
+            // The lists stay, empty, with their capacity: the lengths a
+            // stream frees come back, and each would allocate its list anew.
+            for (&len, blocks) in self.large.iter_mut() {
+                for b in blocks.drain(..) {
+                    f(len, b);
+                }
+            }
+        } else {
+            for (len, blocks) in self.large.drain() {
+                for b in blocks {
+                    f(len, b);
+                }
             }
         }
         let len = self.last_len;
@@ -1093,13 +1122,15 @@ impl<D: Device> StreamOrder<D> {
     /// the consumers that freed since the last allocation, not every
     /// stream the pool has met. `me`'s own uncovered frees are not asked
     /// about (stream order already lets `me` reuse them). Does nothing
-    /// unless observed completion may be used (`opportunistic`).
+    /// unless observed completion may be used (`opportunistic`). `own`:
+    /// `me`'s entry where the caller has it at hand (no table lookup).
     pub fn poll_completions(
         &self,
         arena: &mut Arena,
         done: &mut Completion,
         opportunistic: bool,
         me: u64,
+        own: Option<&StreamEntry>,
     ) {
         if !opportunistic {
             return;
@@ -1113,8 +1144,16 @@ impl<D: Device> StreamOrder<D> {
         let mut kept = 0;
         for i in 0..ids.len() {
             let id = ids[i];
-            let Some(entry) = self.entry_by_id(id) else {
-                continue;
+            let found;
+            let entry: &StreamEntry = match own {
+                Some(e) if id == me => e,
+                _ => {
+                    found = self.entry_by_id(id);
+                    match &found {
+                        Some(e) => e,
+                        None => continue,
+                    }
+                }
             };
             let mut s = lock(&entry.state);
             if id == me && s.recorded.len() < OWN_BACKLOG {
@@ -1511,7 +1550,7 @@ mod tests {
             order.watch_stream(s);
         }
         let queries = dev.calls(Op::QueryStream);
-        order.poll_completions(&mut arena, &mut done, true, me.id());
+        order.poll_completions(&mut arena, &mut done, true, me.id(), None);
         assert_eq!(
             dev.calls(Op::QueryStream),
             queries + 1,
@@ -1523,7 +1562,7 @@ mod tests {
             1,
             "the consumer is forgotten, `me` kept"
         );
-        order.poll_completions(&mut arena, &mut done, true, me.id());
+        order.poll_completions(&mut arena, &mut done, true, me.id(), None);
         assert_eq!(
             dev.calls(Op::QueryStream),
             queries + 1,
@@ -1547,10 +1586,60 @@ mod tests {
         // Without opportunistic reuse what it would learn is of no use.
         lock(&order.entry(consumer).unwrap().state).frees_in_epoch = true;
         order.watch_stream(consumer);
-        order.poll_completions(&mut arena, &mut done, false, me.id());
+        order.poll_completions(&mut arena, &mut done, false, me.id(), None);
         assert_eq!(dev.calls(Op::QueryStream), queries + 1);
         for &s in &streams {
             dev.synchronize_stream(s).unwrap();
+        }
+    }
+
+    #[test]
+    fn a_cache_drain_hands_over_every_block_left_oldest_first_per_length() {
+        let mut cache = SizeCache::default();
+        // The model: per length, the blocks in the order they were pushed.
+        let mut model: std::collections::BTreeMap<usize, Vec<CachedBlock>> = Default::default();
+        let mut x: u64 = 0x243f_6a88_85a3_08d3;
+        let mut next = 0usize;
+        for round in 0..200 {
+            for _ in 0..(round % 7) * 5 {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                // Small lengths (every slot, both ends) and large ones.
+                let len = match x % 4 {
+                    0 => 512,
+                    1 => SMALL_CACHE_MAX,
+                    2 => ((x >> 8) as usize % SMALL_SLOTS + 1) * CACHE_GRAIN,
+                    _ => SMALL_CACHE_MAX + ((x >> 8) as usize % 90 + 1) * CACHE_GRAIN,
+                };
+                if (x >> 40) % 3 == 0 {
+                    let got = cache.pop(len).map(|b| b.offset);
+                    let want = model.get_mut(&len).and_then(|v| v.pop()).map(|b| b.offset);
+                    assert_eq!(got, want, "pop {len}");
+                } else {
+                    next += 1;
+                    let b = CachedBlock {
+                        offset: next * 512,
+                        epoch: round,
+                    };
+                    cache.push(len, b);
+                    model.entry(len).or_default().push(b);
+                }
+            }
+            if round % 3 == 0 {
+                let mut drained: std::collections::BTreeMap<usize, Vec<usize>> = Default::default();
+                cache.drain(|len, b| drained.entry(len).or_default().push(b.offset));
+                let want: std::collections::BTreeMap<usize, Vec<usize>> =
+                    std::mem::take(&mut model)
+                        .into_iter()
+                        .filter(|(_, v)| !v.is_empty())
+                        .map(|(len, v)| (len, v.iter().map(|b| b.offset).collect()))
+                        .collect();
+                assert_eq!(drained, want, "round {round}");
+                let mut again = 0;
+                cache.drain(|_, _| again += 1);
+                assert_eq!(again, 0, "a drained cache is empty");
+            }
         }
     }
 

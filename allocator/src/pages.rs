@@ -117,16 +117,12 @@ impl<D: Device> Pages<'_, D> {
             best_window(st, len, 1, &(0..st.arena.va_size()), me, clock, reuse)
         } else if st.first_fit(len) {
             let s: &ArenaState = st;
-            s.arena
-                .first_window(len, s.align(len), &s.zone(len), |g| {
-                    s.classify(g, me, clock, reuse).is_some()
-                })
-                .map(|start| {
-                    let need = (start / page..=(start + len - 1) / page)
-                        .filter(|&p| !s.arena.is_active(p))
-                        .count();
-                    (0, need, start)
-                })
+            s.first_window_for(len, me, clock, reuse).map(|start| {
+                let need = (start / page..=(start + len - 1) / page)
+                    .filter(|&p| !s.arena.is_active(p))
+                    .count();
+                (0, need, start)
+            })
         } else if st.align(len) > 1 {
             best_window(st, len, st.align(len), &st.zone(len), me, clock, reuse)
         } else {
@@ -160,7 +156,15 @@ impl<D: Device> Pages<'_, D> {
         // come back: no driver call at all. A unit comes back whole, onto
         // every page of its ghost mapping.
         let mut rest = Vec::new();
-        for &p in &targets {
+        let singles = targets.iter().all(|&p| {
+            st.arena
+                .mapping_at(p)
+                .is_none_or(|i| st.arena.unit_pages(i) == 1)
+        });
+        if singles {
+            rebind_singles(st, &targets, &block_pages, &mut rest);
+        }
+        for &p in targets.iter().filter(|_| !singles) {
             if st.arena.is_active(p) {
                 // Came back with its unit.
                 continue;
@@ -525,6 +529,55 @@ impl<D: Device> Pages<'_, D> {
             }
         }
         st.arena.clear_phys();
+    }
+}
+
+/// The ghost mappings of single pages among `targets` (hole pages of the
+/// block `block`, in address order) that can come back, brought back as
+/// one target at a time in address order would, the books updated once
+/// per run of consecutive pages; the targets left go to `rest`. A physical
+/// page with a ghost on an earlier target of the block either came back
+/// there or cannot come back at all: in both cases it is not taken again.
+fn rebind_singles(
+    st: &mut State<'_>,
+    targets: &[usize],
+    block: &std::ops::RangeInclusive<usize>,
+    rest: &mut Vec<usize>,
+) {
+    let mut moves: Vec<(usize, usize)> = Vec::new();
+    let mut owners: Vec<usize> = Vec::new();
+    for &p in targets {
+        match st.arena.mapping_at(p) {
+            Some(phys)
+                if !st
+                    .arena
+                    .mappings(phys)
+                    .iter()
+                    .any(|&b| b < p && block.contains(&b))
+                    && ghost_available(st, p)
+                    && phys_movable(st, phys, block) =>
+            {
+                moves.push((p, phys));
+                match st.arena.owner(phys) {
+                    Some(q) => owners.push(q),
+                    None => st.arena.unspare(phys),
+                }
+            }
+            _ => rest.push(p),
+        }
+    }
+    owners.sort_unstable();
+    for run in owners.chunk_by(|a, b| a + 1 == *b) {
+        st.arena.deactivate_singles(run[0], run.len());
+    }
+    let mut phys: Vec<usize> = Vec::new();
+    for run in moves.chunk_by(|a, b| a.0 + 1 == b.0) {
+        phys.clear();
+        phys.extend(run.iter().map(|m| m.1));
+        st.arena.activate_singles(run[0].0, &phys);
+        for _ in run {
+            st.arena.count_rebind();
+        }
     }
 }
 

@@ -106,7 +106,8 @@ impl ArenaState {
     /// Whether every free byte of page `p` is known complete, so the page
     /// may be unmapped, moved or released.
     pub fn page_complete(&self, p: usize) -> bool {
-        self.arena.page_guards_all(p, |g| self.is_complete(g))
+        // With no free range pending anywhere, every free byte is complete.
+        !self.arena.any_pending() || self.arena.page_guards_all(p, |g| self.is_complete(g))
     }
 
     /// Whether physical unit `i` is active somewhere with no block in use
@@ -117,6 +118,27 @@ impl ArenaState {
             return false;
         };
         self.arena.unit_idle(i) && (o..o + self.arena.unit_pages(i)).all(|q| self.page_complete(q))
+    }
+
+    /// The lowest window of `len` bytes in its zone, aligned, over holes
+    /// and free ranges `me` may reuse now (first fit). When no other
+    /// stream has a free pending, `me` may reuse every free range (its own
+    /// by stream order, the others are complete) and the ranges inside
+    /// the window are not looked at.
+    pub fn first_window_for(
+        &self,
+        len: usize,
+        me: u64,
+        clock: &VectorClock,
+        reuse: ReusePolicy,
+    ) -> Option<usize> {
+        let (align, zone) = (self.align(len), self.zone(len));
+        if self.arena.pending_only_of(me) {
+            return self.arena.first_window_any(len, align, &zone);
+        }
+        self.arena.first_window(len, align, &zone, |g| {
+            self.classify(g, me, clock, reuse).is_some()
+        })
     }
 
     /// Steps 1–3: may `me`, whose waits are `clock`, reuse memory under
@@ -455,12 +477,7 @@ pub(crate) fn fit(
 ) -> Option<usize> {
     let zone = st.zone(len);
     if st.first_fit(len) {
-        let off = {
-            let s: &ArenaState = st;
-            s.arena.first_window(len, s.align(len), &zone, |g| {
-                s.classify(g, me, clock, reuse).is_some()
-            })?
-        };
+        let off = st.first_window_for(len, me, clock, reuse)?;
         let page = st.arena.page();
         if !(off / page..=(off + len - 1) / page).all(|p| st.arena.is_active(p)) {
             return None;
@@ -468,11 +485,18 @@ pub(crate) fn fit(
         st.arena.take(off, len);
         return Some(off);
     }
-    let (off, _) = {
+    let off = {
         let s: &ArenaState = st;
-        s.arena.find_fit(len, s.align(len), &zone, |g| {
-            s.classify(g, me, clock, reuse)
-        })?
+        if s.arena.pending_only_of(me) {
+            // Every free range is usable (see `first_window_for`).
+            s.arena.find_fit_any(len, s.align(len), &zone)?
+        } else {
+            s.arena
+                .find_fit(len, s.align(len), &zone, |g| {
+                    s.classify(g, me, clock, reuse)
+                })?
+                .0
+        }
     };
     st.arena.take(off, len);
     Some(off)

@@ -138,7 +138,7 @@ fn fit_known<D: Device>(cx: &mut Ctx<'_, D>) -> Option<usize> {
         let ArenaState { arena, done, .. } = &mut **st;
         cx.pool
             .order
-            .poll_completions(arena, done, cx.reuse.opportunistic, cx.me);
+            .poll_completions(arena, done, cx.reuse.opportunistic, cx.me, Some(cx.entry));
     }
     fit(st, cx.len, cx.me, &cx.clock, cx.reuse)
 }

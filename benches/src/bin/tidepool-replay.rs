@@ -116,6 +116,13 @@ struct Args {
     #[arg(long, value_name = "BYTES", value_parser = session::parse_bytes)]
     unit_min: Option<usize>,
 
+    /// tidepool's virtual reservation, in bytes; suffixes K/M/G/T
+    /// [pool default: twice the device's memory, at least 64 GiB]. Each
+    /// size class gets a quarter of it. A smaller one lets the replay run
+    /// under tools that cannot reserve 64 GiB (valgrind: 32G).
+    #[arg(long, value_name = "BYTES", value_parser = session::parse_bytes)]
+    va_size: Option<usize>,
+
     /// Replay only the first N operations of each trace (N >= 1).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     max_ops: Option<u64>,
@@ -327,6 +334,7 @@ fn run(args: Args) -> Result<(), (u8, String)> {
         progress_every: 0,
         max_unit_size: args.max_unit,
         unit_min_block: args.unit_min,
+        va_size: args.va_size,
     };
     let bar = if std::io::stderr().is_terminal() {
         let total: usize =

@@ -129,6 +129,9 @@ pub struct SessionOptions {
     /// tidepool's smallest block that gets units
     /// ([`tidepool::PoolConfig::unit_min_block`]; `None`: the default).
     pub unit_min_block: Option<usize>,
+    /// tidepool's virtual reservation in bytes
+    /// ([`tidepool::PoolConfig::va_size`]; `None`: the default).
+    pub va_size: Option<usize>,
 }
 
 impl Default for SessionOptions {
@@ -141,6 +144,7 @@ impl Default for SessionOptions {
             progress_every: 0,
             max_unit_size: None,
             unit_min_block: None,
+            va_size: None,
         }
     }
 }
@@ -181,6 +185,9 @@ pub fn replay(
     }
     if let Some(bytes) = opts.unit_min_block {
         pool_config = pool_config.with_unit_min_block(bytes);
+    }
+    if let Some(bytes) = opts.va_size {
+        pool_config = pool_config.with_va_size(bytes);
     }
     let results = match (kind, opts.backend) {
         (AllocatorKind::Ideal, _) => run!(allocators::IdealAllocator::new(u64::MAX, 1)),

@@ -1,0 +1,582 @@
+//! A sorted map for the arena's indexes: keys in order, in chunks of at
+//! most [`CHUNK`] entries, each a sorted array, with the first key of every
+//! chunk in an array of its own.
+//!
+//! The arena asks mostly for neighbours: the entry at or before an
+//! address, the one after it, the entries of a short span. Here such a
+//! query is two binary searches over contiguous memory (the chunks' first
+//! keys, then one chunk), where `std`'s `BTreeMap::range` descends the tree
+//! once for each bound, and an insert or a remove moves at most a chunk's
+//! entries. A chunk that outgrows [`CHUNK`] splits in two; one that falls
+//! below a quarter of it joins a neighbour, so there are at most about
+//! `4 * len / CHUNK` chunks, and splitting or joining moves that many
+//! first keys (once every `CHUNK / 4` updates of a chunk at most).
+
+/// Most entries of one chunk.
+const CHUNK: usize = 32;
+
+/// A chunk with fewer entries than this joins a neighbour where both fit
+/// in one chunk.
+const CHUNK_MIN: usize = CHUNK / 4;
+
+/// A place in an [`OrdMap`] found by [`OrdMap::lower_bound`]: valid until
+/// the map next changes.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Pos {
+    c: usize,
+    i: usize,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct OrdMap<K, V> {
+    /// The first key of each chunk (chunks are never empty).
+    firsts: Vec<K>,
+    chunks: Vec<Vec<(K, V)>>,
+    len: usize,
+}
+
+impl<K, V> Default for OrdMap<K, V> {
+    fn default() -> Self {
+        OrdMap {
+            firsts: Vec::new(),
+            chunks: Vec::new(),
+            len: 0,
+        }
+    }
+}
+
+impl<K: Ord + Copy, V> OrdMap<K, V> {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The chunk that holds `k` if anything does: the last one whose
+    /// first key is at most `k`.
+    #[inline]
+    fn chunk_le(&self, k: &K) -> Option<usize> {
+        self.firsts.partition_point(|f| f <= k).checked_sub(1)
+    }
+
+    /// The last chunk whose first key is below `k`.
+    #[inline]
+    fn chunk_lt(&self, k: &K) -> Option<usize> {
+        self.firsts.partition_point(|f| f < k).checked_sub(1)
+    }
+
+    #[inline]
+    fn find(&self, k: &K) -> Option<(usize, usize)> {
+        let c = self.chunk_le(k)?;
+        let i = self.chunks[c].binary_search_by(|e| e.0.cmp(k)).ok()?;
+        Some((c, i))
+    }
+
+    pub fn get(&self, k: &K) -> Option<&V> {
+        let (c, i) = self.find(k)?;
+        Some(&self.chunks[c][i].1)
+    }
+
+    pub fn get_mut(&mut self, k: &K) -> Option<&mut V> {
+        let (c, i) = self.find(k)?;
+        Some(&mut self.chunks[c][i].1)
+    }
+
+    #[cfg(test)]
+    pub fn contains_key(&self, k: &K) -> bool {
+        self.find(k).is_some()
+    }
+
+    /// Insert `v` under `k`; returns the value it replaces.
+    pub fn insert(&mut self, k: K, v: V) -> Option<V> {
+        let Some(c) = self.chunk_le(&k).or((!self.chunks.is_empty()).then_some(0)) else {
+            let mut chunk = Vec::with_capacity(CHUNK + 1);
+            chunk.push((k, v));
+            self.firsts.push(k);
+            self.chunks.push(chunk);
+            self.len = 1;
+            return None;
+        };
+        let chunk = &mut self.chunks[c];
+        match chunk.binary_search_by(|e| e.0.cmp(&k)) {
+            Ok(i) => return Some(std::mem::replace(&mut chunk[i].1, v)),
+            Err(i) => {
+                chunk.insert(i, (k, v));
+                if i == 0 {
+                    self.firsts[c] = k;
+                }
+            }
+        }
+        self.len += 1;
+        self.split(c);
+        None
+    }
+
+    /// Chunk `c`, past its size, splits in two.
+    fn split(&mut self, c: usize) {
+        if self.chunks[c].len() > CHUNK {
+            let mut upper = Vec::with_capacity(CHUNK + 1);
+            upper.extend(self.chunks[c].drain(CHUNK / 2..));
+            self.firsts.insert(c + 1, upper[0].0);
+            self.chunks.insert(c + 1, upper);
+        }
+    }
+
+    /// Move the entry of `old` to key `new`, where no other key lies
+    /// between the two (its place in the order stays): no entry moves.
+    /// Returns its value, or `None` (and changes nothing) where `old` has
+    /// no entry.
+    pub fn rekey(&mut self, old: &K, new: K) -> Option<&mut V> {
+        let (c, i) = self.find(old)?;
+        self.rekey_entry(c, i, new)
+    }
+
+    fn rekey_entry(&mut self, c: usize, i: usize, new: K) -> Option<&mut V> {
+        let chunk = &self.chunks[c];
+        let after_prev = match i.checked_sub(1) {
+            Some(j) => chunk[j].0 < new,
+            None => c == 0 || self.chunks[c - 1].last().is_some_and(|e| e.0 < new),
+        };
+        let before_next = match chunk.get(i + 1) {
+            Some(e) => new < e.0,
+            None => self.firsts.get(c + 1).is_none_or(|f| new < *f),
+        };
+        assert!(after_prev && before_next, "a new key keeps its place");
+        if i == 0 {
+            self.firsts[c] = new;
+        }
+        let e = &mut self.chunks[c][i];
+        e.0 = new;
+        Some(&mut e.1)
+    }
+
+    /// The place of the first entry with a key at least `k` (or past the
+    /// last entry): one search, after which the entries on either side of
+    /// `k` are read, rewritten or joined by a new one with no other.
+    #[inline]
+    pub fn lower_bound(&self, k: &K) -> Pos {
+        match self.chunk_le(k) {
+            None => Pos { c: 0, i: 0 },
+            Some(c) => Pos {
+                c,
+                i: self.chunks[c].partition_point(|e| e.0 < *k),
+            },
+        }
+    }
+
+    /// `pos` as (chunk, index) of an entry, if one is at or after it.
+    #[inline]
+    fn entry_at(&self, pos: Pos) -> Option<(usize, usize)> {
+        let chunk = self.chunks.get(pos.c)?;
+        if pos.i < chunk.len() {
+            Some((pos.c, pos.i))
+        } else {
+            (pos.c + 1 < self.chunks.len()).then_some((pos.c + 1, 0))
+        }
+    }
+
+    /// The entry before `pos` as (chunk, index), if any.
+    #[inline]
+    fn entry_before(&self, pos: Pos) -> Option<(usize, usize)> {
+        if pos.i > 0 {
+            Some((pos.c, pos.i - 1))
+        } else if pos.c > 0 {
+            Some((pos.c - 1, self.chunks[pos.c - 1].len() - 1))
+        } else {
+            None
+        }
+    }
+
+    /// The entry at `pos` (the first with a key at least the one searched).
+    #[inline]
+    pub fn at(&self, pos: Pos) -> Option<(K, &V)> {
+        let (c, i) = self.entry_at(pos)?;
+        let e = &self.chunks[c][i];
+        Some((e.0, &e.1))
+    }
+
+    /// The entry before `pos` (the last with a key below the one searched).
+    #[inline]
+    pub fn before(&self, pos: Pos) -> Option<(K, &V)> {
+        let (c, i) = self.entry_before(pos)?;
+        let e = &self.chunks[c][i];
+        Some((e.0, &e.1))
+    }
+
+    /// The value of the entry before `pos`, mutable.
+    #[inline]
+    pub fn before_mut(&mut self, pos: Pos) -> Option<&mut V> {
+        let (c, i) = self.entry_before(pos)?;
+        Some(&mut self.chunks[c][i].1)
+    }
+
+    /// [`rekey`](Self::rekey) of the entry at `pos`.
+    pub fn rekey_at(&mut self, pos: Pos, new: K) -> Option<&mut V> {
+        let (c, i) = self.entry_at(pos)?;
+        self.rekey_entry(c, i, new)
+    }
+
+    /// [`rekey`](Self::rekey) of the entry before `pos`.
+    pub fn rekey_before(&mut self, pos: Pos, new: K) -> Option<&mut V> {
+        let (c, i) = self.entry_before(pos)?;
+        self.rekey_entry(c, i, new)
+    }
+
+    /// Insert `k` at `pos`, between the entries before and at it (the
+    /// caller's promise, checked): no search.
+    pub fn insert_at(&mut self, pos: Pos, k: K, v: V) {
+        assert!(
+            self.before(pos).is_none_or(|(b, _)| b < k) && self.at(pos).is_none_or(|(a, _)| k < a),
+            "an entry inserted at its place"
+        );
+        if self.chunks.is_empty() {
+            let mut chunk = Vec::with_capacity(CHUNK + 1);
+            chunk.push((k, v));
+            self.firsts.push(k);
+            self.chunks.push(chunk);
+            self.len = 1;
+            return;
+        }
+        let Pos { c, i } = pos;
+        self.chunks[c].insert(i, (k, v));
+        if i == 0 {
+            self.firsts[c] = k;
+        }
+        self.len += 1;
+        self.split(c);
+    }
+
+    /// Remove the entry of `k`; returns its value.
+    pub fn remove(&mut self, k: &K) -> Option<V> {
+        let (c, i) = self.find(k)?;
+        Some(self.remove_at(c, i).1)
+    }
+
+    fn remove_at(&mut self, c: usize, i: usize) -> (K, V) {
+        let e = self.chunks[c].remove(i);
+        self.len -= 1;
+        let n = self.chunks[c].len();
+        if n == 0 {
+            self.chunks.remove(c);
+            self.firsts.remove(c);
+        } else {
+            if i == 0 {
+                self.firsts[c] = self.chunks[c][0].0;
+            }
+            if n < CHUNK_MIN {
+                self.join(c);
+            }
+        }
+        e
+    }
+
+    /// Chunk `c`, short, joins a neighbour where both fit in one chunk.
+    fn join(&mut self, c: usize) {
+        let n = self.chunks[c].len();
+        if c + 1 < self.chunks.len() && n + self.chunks[c + 1].len() <= CHUNK {
+            let next = self.chunks.remove(c + 1);
+            self.firsts.remove(c + 1);
+            self.chunks[c].extend(next);
+        } else if c > 0 && n + self.chunks[c - 1].len() <= CHUNK {
+            let this = self.chunks.remove(c);
+            self.firsts.remove(c);
+            self.chunks[c - 1].extend(this);
+        }
+    }
+
+    /// The entry with the largest key at most `k` (`range(..=k).next_back()`).
+    #[inline]
+    pub fn last_le(&self, k: &K) -> Option<(K, &V)> {
+        let c = self.chunk_le(k)?;
+        let chunk = &self.chunks[c];
+        let i = chunk.partition_point(|e| e.0 <= *k);
+        let e = &chunk[i - 1];
+        Some((e.0, &e.1))
+    }
+
+    /// [`last_le`](Self::last_le), the value mutable.
+    #[inline]
+    #[cfg(test)]
+    pub fn last_le_mut(&mut self, k: &K) -> Option<(K, &mut V)> {
+        let c = self.chunk_le(k)?;
+        let chunk = &mut self.chunks[c];
+        let i = chunk.partition_point(|e| e.0 <= *k);
+        let e = &mut chunk[i - 1];
+        Some((e.0, &mut e.1))
+    }
+
+    /// The entry with the largest key below `k` (`range(..k).next_back()`).
+    #[inline]
+    pub fn last_lt(&self, k: &K) -> Option<(K, &V)> {
+        let c = self.chunk_lt(k)?;
+        let chunk = &self.chunks[c];
+        let i = chunk.partition_point(|e| e.0 < *k);
+        let e = &chunk[i - 1];
+        Some((e.0, &e.1))
+    }
+
+    /// [`last_lt`](Self::last_lt), the value mutable.
+    #[inline]
+    pub fn last_lt_mut(&mut self, k: &K) -> Option<(K, &mut V)> {
+        let c = self.chunk_lt(k)?;
+        let chunk = &mut self.chunks[c];
+        let i = chunk.partition_point(|e| e.0 < *k);
+        let e = &mut chunk[i - 1];
+        Some((e.0, &mut e.1))
+    }
+
+    /// The entry with the smallest key.
+    pub fn first(&self) -> Option<(K, &V)> {
+        let e = self.chunks.first()?.first()?;
+        Some((e.0, &e.1))
+    }
+
+    /// The entry with the largest key.
+    pub fn last(&self) -> Option<(K, &V)> {
+        let e = self.chunks.last()?.last()?;
+        Some((e.0, &e.1))
+    }
+
+    /// Every entry, in key order.
+    pub fn iter(&self) -> Iter<'_, K, V> {
+        Iter {
+            map: self,
+            c: 0,
+            i: 0,
+        }
+    }
+
+    /// The entries with keys at least `k`, in key order.
+    pub fn iter_from(&self, k: &K) -> Iter<'_, K, V> {
+        let (c, i) = match self.chunk_le(k) {
+            None => (0, 0),
+            Some(c) => (c, self.chunks[c].partition_point(|e| e.0 < *k)),
+        };
+        Iter { map: self, c, i }
+    }
+
+    /// The entries with keys in `[lo, hi)`, in key order.
+    pub fn range(&self, lo: K, hi: K) -> impl Iterator<Item = (K, &V)> + '_ {
+        self.iter_from(&lo).take_while(move |e| e.0 < hi)
+    }
+
+    /// The entries with keys below `k`, largest key first.
+    pub fn iter_rev_lt(&self, k: &K) -> RevIter<'_, K, V> {
+        match self.chunk_lt(k) {
+            None => RevIter {
+                map: self,
+                c: 0,
+                i: 0,
+            },
+            Some(c) => RevIter {
+                map: self,
+                c,
+                i: self.chunks[c].partition_point(|e| e.0 < *k),
+            },
+        }
+    }
+}
+
+/// Entries in key order (see [`OrdMap::iter_from`]).
+pub(crate) struct Iter<'a, K, V> {
+    map: &'a OrdMap<K, V>,
+    c: usize,
+    i: usize,
+}
+
+impl<'a, K: Copy, V> Iterator for Iter<'a, K, V> {
+    type Item = (K, &'a V);
+
+    #[inline]
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            let chunk = self.map.chunks.get(self.c)?;
+            if let Some(e) = chunk.get(self.i) {
+                self.i += 1;
+                return Some((e.0, &e.1));
+            }
+            self.c += 1;
+            self.i = 0;
+        }
+    }
+}
+
+/// Entries in reverse key order (see [`OrdMap::iter_rev_lt`]).
+pub(crate) struct RevIter<'a, K, V> {
+    map: &'a OrdMap<K, V>,
+    /// The chunk of the next entry, whose index is `i - 1` there.
+    c: usize,
+    i: usize,
+}
+
+impl<'a, K: Copy, V> Iterator for RevIter<'a, K, V> {
+    type Item = (K, &'a V);
+
+    #[inline]
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            if self.i > 0 {
+                self.i -= 1;
+                let e = &self.map.chunks[self.c][self.i];
+                return Some((e.0, &e.1));
+            }
+            if self.c == 0 {
+                return None;
+            }
+            self.c -= 1;
+            self.i = self.map.chunks[self.c].len();
+        }
+    }
+}
+
+impl<K: Ord + Copy, V: PartialEq> PartialEq for OrdMap<K, V> {
+    fn eq(&self, other: &Self) -> bool {
+        self.len == other.len && self.iter().eq(other.iter())
+    }
+}
+
+#[cfg(test)]
+impl<K: Ord + Copy, V> OrdMap<K, V> {
+    /// Check the chunks' invariants (tests only).
+    pub fn check(&self) {
+        assert_eq!(self.firsts.len(), self.chunks.len());
+        let mut n = 0;
+        let mut prev: Option<K> = None;
+        for (f, c) in self.firsts.iter().zip(&self.chunks) {
+            assert!(!c.is_empty() && c.len() <= CHUNK, "chunk size");
+            assert!(*f == c[0].0, "first key");
+            for e in c {
+                assert!(prev.is_none_or(|p| p < e.0), "keys in order");
+                prev = Some(e.0);
+            }
+            n += c.len();
+        }
+        assert_eq!(n, self.len);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    #[test]
+    fn agrees_with_a_btree_map() {
+        let mut map: OrdMap<u32, u32> = OrdMap::new();
+        let mut model: BTreeMap<u32, u32> = BTreeMap::new();
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut rnd = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for step in 0..60_000u32 {
+            // Phases of growth and of shrinking, so chunks split and join.
+            let grow = (step / 5_000) % 2 == 0;
+            let r = rnd();
+            let k = (r % 2_000) as u32;
+            match r >> 60 {
+                0..=8 if grow => assert_eq!(map.insert(k, step), model.insert(k, step)),
+                0..=3 => assert_eq!(map.insert(k, step), model.insert(k, step)),
+                _ => assert_eq!(map.remove(&k), model.remove(&k)),
+            }
+            let q = (rnd() % 2_100) as u32;
+            let kv = |e: Option<(&u32, &u32)>| e.map(|(&k, &v)| (k, v));
+            let mine = |e: Option<(u32, &u32)>| e.map(|(k, &v)| (k, v));
+            assert_eq!(mine(map.last_le(&q)), kv(model.range(..=q).next_back()));
+            assert_eq!(mine(map.last_lt(&q)), kv(model.range(..q).next_back()));
+            assert_eq!(map.get(&q), model.get(&q));
+            assert_eq!(map.contains_key(&q), model.contains_key(&q));
+            if let Some((k, v)) = map.last_le_mut(&q) {
+                *v += 1;
+                *model.get_mut(&k).unwrap() += 1;
+            }
+            if let Some((k, v)) = map.last_lt_mut(&q) {
+                *v += 1;
+                *model.get_mut(&k).unwrap() += 1;
+            }
+            // Through a place: the neighbours of `q`, and an insert there.
+            let pos = map.lower_bound(&q);
+            assert_eq!(mine(map.at(pos)), kv(model.range(q..).next()));
+            assert_eq!(mine(map.before(pos)), kv(model.range(..q).next_back()));
+            if step % 5 == 0 && !model.contains_key(&q) {
+                map.insert_at(pos, q, step);
+                model.insert(q, step);
+            } else if step % 5 == 1 {
+                if let Some(v) = map.before_mut(pos) {
+                    *v += 3;
+                    *model.range_mut(..q).next_back().unwrap().1 += 3;
+                }
+            } else if step % 5 == 2 {
+                // The entry at the place moves down to `q` where free.
+                if let Some((&a, _)) = model.range(q..).next() {
+                    if a != q {
+                        let v = map.rekey_at(pos, q).map(|v| *v);
+                        let m = model.remove(&a).unwrap();
+                        model.insert(q, m);
+                        assert_eq!(v, Some(m));
+                    }
+                }
+            } else if step % 5 == 3 {
+                // The entry before the place moves up to `q - 1`.
+                if let Some((&b, _)) = model.range(..q).next_back() {
+                    if b + 1 < q {
+                        let v = map.rekey_before(pos, q - 1).map(|v| *v);
+                        let m = model.remove(&b).unwrap();
+                        model.insert(q - 1, m);
+                        assert_eq!(v, Some(m));
+                    }
+                }
+            }
+            // Move a key up to just below the next one, or down to just
+            // above the previous one.
+            if let Some((k, _)) = map.last_le(&q) {
+                let next = model.range(k + 1..).next().map_or(k + 7, |(&n, _)| n);
+                let prev = model.range(..k).next_back().map_or(0, |(&p, _)| p + 1);
+                let to = if step % 2 == 0 {
+                    next - 1
+                } else {
+                    prev.max(k.saturating_sub(3))
+                };
+                let v = map.rekey(&k, to).map(|v| *v);
+                let m = model.remove(&k).unwrap();
+                model.insert(to, m);
+                assert_eq!(v, Some(m));
+            }
+            if step % 97 == 0 {
+                let hi = q + (rnd() % 300) as u32;
+                assert!(map
+                    .range(q, hi)
+                    .map(|(k, &v)| (k, v))
+                    .eq(model.range(q..hi).map(|(&k, &v)| (k, v))));
+                assert!(map
+                    .iter_rev_lt(&q)
+                    .map(|(k, &v)| (k, v))
+                    .eq(model.range(..q).rev().map(|(&k, &v)| (k, v))));
+                assert!(map
+                    .iter_from(&q)
+                    .map(|(k, &v)| (k, v))
+                    .eq(model.range(q..).map(|(&k, &v)| (k, v))));
+                assert_eq!(map.first().map(|(k, &v)| (k, v)), kv(model.iter().next()));
+                assert_eq!(
+                    map.last().map(|(k, &v)| (k, v)),
+                    kv(model.iter().next_back())
+                );
+                assert_eq!(map.len(), model.len());
+                map.check();
+            }
+        }
+        assert!(map
+            .iter()
+            .map(|(k, &v)| (k, v))
+            .eq(model.iter().map(|(&k, &v)| (k, v))));
+    }
+}
