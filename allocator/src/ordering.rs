@@ -1528,8 +1528,11 @@ mod tests {
     /// whose frees it saw complete, and never asks about the allocating
     /// stream's own frees; what it learns upgrades that stream's ranges.
     #[test]
-    #[cfg(not(loom))]
     fn poll_asks_only_watched_streams_and_forgets_the_settled() {
+        crate::sync::model(poll_body);
+    }
+
+    fn poll_body() {
         const PAGE: usize = 2 << 20;
         let dev = Arc::new(FaultInjector::new(HostDevice::with_config(HostConfig {
             capacity: 8 << 20,
