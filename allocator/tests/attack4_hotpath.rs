@@ -14,7 +14,7 @@ use common::*;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::mpsc::{channel, Receiver};
-use std::sync::{Arc, Barrier};
+use std::sync::Arc;
 use tidepool::{Allocation, MemPool, PoolConfig, PoolError};
 use tidepool_sys::{Device, DevicePtr, HostDevice, Stream};
 
@@ -393,27 +393,19 @@ fn threads_hopping_over_many_streams_hand_blocks_to_each_other() {
     let dev = Arc::new(host());
     let pool = Arc::new(small_pool(&dev));
     let streams = Arc::new(streams(&*dev, STREAMS));
-    let barrier = Arc::new(Barrier::new(THREADS));
     let (txs, rxs): (Vec<_>, Vec<_>) = (0..THREADS)
         .map(|_| channel::<(Allocation, Stream, u32)>())
         .unzip();
     let txs = Arc::new(txs);
     let mut handles = Vec::new();
     for (me, inbox) in rxs.into_iter().enumerate() {
-        let (pool, dev, streams, barrier, txs) = (
-            pool.clone(),
-            dev.clone(),
-            streams.clone(),
-            barrier.clone(),
-            txs.clone(),
-        );
+        let (pool, dev, streams, txs) = (pool.clone(), dev.clone(), streams.clone(), txs.clone());
         handles.push(std::thread::spawn(move || {
             let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ (me as u64 + 1));
             let mut live: Vec<(Allocation, Stream, u32)> = Vec::new();
             let mut checks = Vec::new();
             let mut allocs = 0u64;
             let own = streams[me];
-            barrier.wait();
             for op in 0..OPS {
                 // Take what others handed over: check, then free on the
                 // allocating stream or on our own after an event wait.
@@ -458,17 +450,27 @@ fn threads_hopping_over_many_streams_hand_blocks_to_each_other() {
                 checks.extend(verify(&dev, s, a.ptr(), a.size(), tag));
                 pool.free_async(a, s).unwrap();
             }
-            barrier.wait();
-            // Everyone has sent everything by now.
-            while let Ok((a, s, tag)) = inbox.try_recv() {
-                checks.extend(verify(&dev, s, a.ptr(), a.size(), tag));
-                pool.free_async(a, s).unwrap();
-            }
             all_true(checks, &format!("thread {me}"));
-            allocs
+            (allocs, inbox)
         }));
     }
-    let allocs: u64 = handles.into_iter().map(|h| h.join().unwrap()).sum();
+    // Joined with no barrier, so that a thread's failure fails the test
+    // rather than leaving the others waiting; what was handed to a thread
+    // after its last look at its inbox is checked and freed here.
+    let done: Vec<_> = handles
+        .into_iter()
+        .map(|h| h.join().expect("a thread failed"))
+        .collect();
+    let mut allocs = 0;
+    let mut checks = Vec::new();
+    for (n, inbox) in done {
+        allocs += n;
+        while let Ok((a, s, tag)) = inbox.try_recv() {
+            checks.extend(verify(&dev, s, a.ptr(), a.size(), tag));
+            pool.free_async(a, s).unwrap();
+        }
+    }
+    all_true(checks, "handed over last");
     drained(&pool, allocs, "threads hopping");
 }
 
