@@ -637,3 +637,78 @@ fn the_size_cache_serves_only_exact_lengths_across_flushes() {
     assert_eq!(st.cache_hits, run.hits, "cache hits counted");
     drained(&run.pool, run.allocs, "size cache");
 }
+
+/// Sizes the hot path must leave alone on a warm stream whose cache holds
+/// blocks of every small length, 64 KiB included (the slot an unchecked
+/// length 0 would index): size 0 is a null allocation that takes nothing
+/// from the cache, sizes past the address range are refused, and the
+/// cache is intact afterwards.
+#[test]
+fn size_zero_and_too_large_leave_a_warm_cache_alone() {
+    let dev = Arc::new(host());
+    let pool = small_pool(&dev);
+    let s = dev.create_stream().unwrap();
+    let va = 256usize << 20;
+    let lens: Vec<usize> = vec![512, 4096, (64 << 10) - 512, 64 << 10, (64 << 10) + 512];
+    let mut allocs = 0;
+    // Two blocks of each length in the cache (the second length cached
+    // leaves the last-length slot to the first).
+    let mut held = Vec::new();
+    for &len in &lens {
+        for _ in 0..2 {
+            held.push(pool.alloc_async(len, s).unwrap());
+            allocs += 1;
+        }
+    }
+    let cached: Vec<(usize, DevicePtr)> = held.iter().map(|a| (a.size(), a.ptr())).collect();
+    for a in held {
+        pool.free_async(a, s).unwrap();
+    }
+    let before = pool.stats();
+    for i in 0..10 {
+        let z = pool.alloc_async(0, s).unwrap();
+        assert_eq!(z.ptr(), 0, "try {i}: size 0 got memory");
+        assert_eq!(z.size(), 0);
+        pool.free_async(z, s).unwrap();
+        for size in [va + 1, usize::MAX, usize::MAX - 510] {
+            match pool.alloc_async(size, s) {
+                Err(PoolError::TooLarge { .. }) => {}
+                Err(e) => panic!("try {i}: {size} bytes: another error than TooLarge: {e}"),
+                Ok(a) => panic!("try {i}: {size} bytes served at {:#x}", a.ptr()),
+            }
+        }
+    }
+    let after = pool.stats();
+    assert_eq!(
+        after.cache_hits, before.cache_hits,
+        "size 0 or too large hit the cache"
+    );
+    assert_eq!(after.used_current, 0);
+    assert_eq!(
+        after.allocs, before.allocs,
+        "null allocations counted as allocations"
+    );
+    // Every cached block is still there, served to its own length.
+    let mut back = Vec::new();
+    for &len in &lens {
+        for _ in 0..2 {
+            let a = pool.alloc_async(len, s).unwrap();
+            allocs += 1;
+            assert!(
+                cached.contains(&(len, a.ptr())),
+                "{len} bytes: {:#x} is not one of the blocks cached for it",
+                a.ptr()
+            );
+            back.push(a);
+        }
+    }
+    assert_eq!(
+        pool.stats().cache_hits,
+        before.cache_hits + 2 * lens.len() as u64,
+        "every cached block served from the cache"
+    );
+    for a in back {
+        pool.free_async(a, s).unwrap();
+    }
+    drained(&pool, allocs, "size zero");
+}
