@@ -287,3 +287,73 @@ fn random_capped_workload_on_streams_held_busy_keeps_every_tag() {
     all_true(checks, "random capped workload");
     whole_again(&dev, &pool, PAGES, ss[0], "random capped workload");
 }
+
+/// A free on a stream held busy, with device work queued on the block
+/// before the free: a trim while it is pending must keep its pages mapped
+/// (the queued work still writes them), and another stream given those
+/// bytes on a full device must be ordered after that work (its own tag,
+/// written at once on its stream, survives the queued write).
+#[test]
+fn a_pending_free_keeps_its_pages_through_trim_and_orders_its_reuse() {
+    for cache in [0usize, 256 << 20] {
+        let dev = Arc::new(host_with_capacity(PAGE));
+        let pool = MemPool::new(
+            dev.clone(),
+            PoolConfig::default()
+                .with_va_size(64 << 20)
+                .with_stream_cache_bytes(cache),
+        )
+        .unwrap();
+        let (s, t) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+        // Warm both streams.
+        for st in [s, t] {
+            let a = pool.alloc_async(4096, st).unwrap();
+            pool.free_async(a, st).unwrap();
+        }
+        pool.synchronize().unwrap();
+        let mut hold = Blocker::on(&*dev, s);
+        let a = pool.alloc_async(PAGE, s).unwrap();
+        let ptr = a.ptr();
+        // Queued behind the blocker: writes the whole page.
+        let late = tag_kernel(&dev, s, ptr, PAGE / 4, 0x5555);
+        pool.free_async(a, s).unwrap();
+        pool.trim_to(0).unwrap();
+        // The device is full: t gets these bytes only ordered after s.
+        let b = match pool.alloc_async(PAGE, t) {
+            Ok(b) => Some(b),
+            Err(e) => {
+                assert!(e.is_out_of_memory(), "cache {cache}: {e}");
+                None
+            }
+        };
+        let mine = b
+            .as_ref()
+            .map(|b| tag_kernel(&dev, t, b.ptr(), PAGE / 4, 0x7777));
+        hold.release();
+        assert!(
+            late.recv().unwrap(),
+            "cache {cache}: work queued before a pending free found its page unmapped"
+        );
+        if let Some(b) = b {
+            assert!(
+                mine.unwrap().recv().unwrap(),
+                "cache {cache}: t's block unmapped"
+            );
+            let check = verify(&dev, t, b.ptr(), PAGE / 4, 0x7777);
+            assert!(
+                check.recv().unwrap(),
+                "cache {cache}: t got the bytes of a pending free without waiting for it \
+                 (its tag was overwritten by the work queued before the free)"
+            );
+            pool.free_async(b, t).unwrap();
+        }
+        pool.synchronize().unwrap();
+        pool.trim_to(0).unwrap();
+        let st = pool.stats();
+        assert_eq!(st.used_current, 0);
+        assert_eq!(
+            st.reserved_current, 0,
+            "cache {cache}: pages held after trim"
+        );
+    }
+}
