@@ -86,7 +86,7 @@ fn all_true(rxs: Vec<Receiver<bool>>, what: &str) {
 fn drained(pool: &MemPool<HostDevice>, allocs: u64, what: &str) {
     pool.synchronize().expect("synchronize");
     let st = pool.stats();
-    assert_eq!(st.allocs, allocs, "{what}: allocations counted");
+    assert_eq!(st.allocs, allocs, "{what}: allocations counted ({st:?})");
     assert_eq!(st.frees, allocs, "{what}: frees counted");
     assert_eq!(st.used_current, 0, "{what}: bytes used after freeing all");
     pool.trim_to(0).expect("trim");
@@ -711,4 +711,159 @@ fn size_zero_and_too_large_leave_a_warm_cache_alone() {
         pool.free_async(a, s).unwrap();
     }
     drained(&pool, allocs, "size zero");
+}
+
+/// Threads allocate and free on shared streams while the main thread
+/// retires half of them, one by one: every call on a retired stream is
+/// refused (a free hands the allocation back, which is then freed on a
+/// stream that is never retired after a wait for the retired one), no block
+/// is handed out twice, and the books balance once the pool is synchronised.
+#[test]
+#[ignore = "defect: an allocation racing retire_stream is served but not counted (allocs one short, about 1 run in 4); see an_allocation_racing_retire_stream_is_refused_or_counted"]
+fn streams_retired_while_threads_use_them() {
+    const THREADS: usize = 3;
+    const SHARED: usize = 24;
+    const OPS: usize = 500;
+    let dev = Arc::new(host());
+    let pool = Arc::new(small_pool(&dev));
+    let shared = streams(&*dev, SHARED);
+    let own = streams(&*dev, THREADS);
+    let mut handles = Vec::new();
+    for (me, &mine) in own.iter().enumerate() {
+        let (pool, dev, shared) = (pool.clone(), dev.clone(), shared.clone());
+        handles.push(std::thread::spawn(move || {
+            let mut rng = Rng(0x1234_5678_9ABC_DEF1 ^ ((me as u64 + 1) << 32));
+            let mut live: Vec<(Allocation, Stream, u32)> = Vec::new();
+            let mut checks = Vec::new();
+            let (mut allocs, mut refused) = (0u64, 0u64);
+            let free_one = |a: Allocation,
+                            s: Stream,
+                            tag: u32,
+                            checks: &mut Vec<Receiver<bool>>,
+                            refused: &mut u64| {
+                checks.extend(verify(&dev, s, a.ptr(), a.size(), tag));
+                match pool.free_async(a, s) {
+                    Ok(()) => {}
+                    Err(e) => {
+                        assert!(
+                            matches!(e.error, PoolError::StreamRetired { .. }),
+                            "free on {s}: {}",
+                            e.error
+                        );
+                        *refused += 1;
+                        // The driver stream still runs: wait for it, then
+                        // free on a stream that is never retired.
+                        dev.synchronize_stream(s).unwrap();
+                        pool.free_async(e.allocation, mine).unwrap();
+                    }
+                }
+            };
+            for op in 0..OPS {
+                let s = shared[rng.range(0, SHARED as u64 - 1) as usize];
+                if live.len() < 6 && rng.next() % 2 == 0 {
+                    let size = match rng.next() % 3 {
+                        0 => rng.range(1, 2048),
+                        1 => rng.range(60 << 10, 70 << 10),
+                        _ => 4096,
+                    } as usize;
+                    match pool.alloc_async(size, s) {
+                        Ok(a) => {
+                            allocs += 1;
+                            let tag = ((me as u32 + 1) << 24) | op as u32;
+                            checks.extend(fill(&dev, s, a.ptr(), a.size(), tag));
+                            live.push((a, s, tag));
+                        }
+                        Err(PoolError::StreamRetired { .. }) => refused += 1,
+                        Err(e) => panic!("thread {me}, op {op}: alloc on {s}: {e}"),
+                    }
+                } else if !live.is_empty() {
+                    let (a, s, tag) =
+                        live.swap_remove(rng.range(0, live.len() as u64 - 1) as usize);
+                    free_one(a, s, tag, &mut checks, &mut refused);
+                }
+            }
+            for (a, s, tag) in std::mem::take(&mut live) {
+                free_one(a, s, tag, &mut checks, &mut refused);
+            }
+            all_true(checks, &format!("thread {me}"));
+            (allocs, refused)
+        }));
+    }
+    // Retire every other shared stream while the threads run.
+    for (i, &s) in shared.iter().enumerate() {
+        if i % 2 == 0 {
+            pool.retire_stream(s).unwrap();
+            std::thread::yield_now();
+        }
+    }
+    let mut allocs = 0;
+    for h in handles {
+        let (n, _refused) = h.join().expect("a thread failed");
+        allocs += n;
+    }
+    // Every call on a retired stream is refused from now on.
+    for (i, &s) in shared.iter().enumerate() {
+        let r = pool.alloc_async(4096, s);
+        match (i % 2 == 0, r) {
+            (true, Err(PoolError::StreamRetired { .. })) => {}
+            (true, Err(e)) => panic!("retired {s}: another error than StreamRetired: {e}"),
+            (true, Ok(a)) => panic!("retired {s} got a block at {:#x}", a.ptr()),
+            (false, Ok(a)) => {
+                allocs += 1;
+                pool.free_async(a, s).unwrap();
+            }
+            (false, Err(e)) => panic!("live {s}: {e}"),
+        }
+    }
+    drained(&pool, allocs, "streams retired while used");
+}
+
+/// The smallest form of a race the test above meets: one thread
+/// allocates (slow path: nothing is ever freed on the stream) while the
+/// main thread retires the stream. Each allocation either is refused or
+/// is counted: after everything is freed and the pool synchronised,
+/// `allocs` and `frees` both equal the allocations that succeeded.
+#[test]
+fn an_allocation_racing_retire_stream_is_refused_or_counted() {
+    const TRIALS: usize = 200;
+    let dev = Arc::new(host());
+    let pool = Arc::new(small_pool(&dev));
+    let other = dev.create_stream().unwrap();
+    let mut total = 0u64;
+    for trial in 0..TRIALS {
+        let s = dev.create_stream().unwrap();
+        let start = Arc::new(std::sync::Barrier::new(2));
+        let worker = {
+            let (pool, start) = (pool.clone(), start.clone());
+            std::thread::spawn(move || {
+                let mut got = Vec::new();
+                start.wait();
+                for _ in 0..64 {
+                    match pool.alloc_async(4096, s) {
+                        Ok(a) => got.push(a),
+                        Err(PoolError::StreamRetired { .. }) => break,
+                        Err(e) => panic!("alloc: {e}"),
+                    }
+                }
+                got
+            })
+        };
+        start.wait();
+        pool.retire_stream(s).unwrap();
+        let got = worker.join().expect("worker");
+        total += got.len() as u64;
+        dev.synchronize_stream(s).unwrap();
+        for a in got {
+            pool.free_async(a, other).unwrap();
+        }
+        pool.synchronize().unwrap();
+        let st = pool.stats();
+        assert_eq!(
+            (st.allocs, st.frees),
+            (total, total),
+            "trial {trial}: (allocs, frees) counted vs made"
+        );
+        dev.destroy_stream(s).unwrap();
+    }
+    drained(&pool, total, "allocations racing retire");
 }
