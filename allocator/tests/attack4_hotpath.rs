@@ -867,3 +867,58 @@ fn an_allocation_racing_retire_stream_is_refused_or_counted() {
     }
     drained(&pool, total, "allocations racing retire");
 }
+
+/// One stream used by two pools on one thread (its entries in both pools'
+/// tables, direct or recent): retiring it in one pool refuses it there
+/// only; the other pool keeps serving it from its cache.
+#[test]
+fn a_stream_retired_in_one_pool_still_serves_another() {
+    let dev = Arc::new(host());
+    let (a_pool, b_pool) = (small_pool(&dev), small_pool(&dev));
+    // Streams of both kinds: with a direct slot, and a residue twin
+    // found through the recent entries.
+    let x = dev.create_stream().unwrap();
+    let y = residue_twin(&dev, x);
+    let spare = dev.create_stream().unwrap();
+    let mut allocs = [0u64; 2];
+    for s in [x, y] {
+        for (i, p) in [&a_pool, &b_pool].into_iter().enumerate() {
+            for _ in 0..3 {
+                let a = p.alloc_async(2048, s).unwrap();
+                p.free_async(a, s).unwrap();
+                allocs[i] += 1;
+            }
+        }
+    }
+    for s in [x, y] {
+        let kept = a_pool.alloc_async(2048, s).unwrap();
+        allocs[0] += 1;
+        a_pool.retire_stream(s).unwrap();
+        match a_pool.alloc_async(2048, s) {
+            Err(PoolError::StreamRetired { .. }) => {}
+            Err(e) => panic!("{s}: another error than StreamRetired: {e}"),
+            Ok(a) => panic!("{s} retired in pool A got {:#x} from it", a.ptr()),
+        }
+        let back = match a_pool.free_async(kept, s) {
+            Ok(()) => panic!("{s}: pool A took a free on a stream it retired"),
+            Err(e) => e.allocation,
+        };
+        dev.synchronize_stream(s).unwrap();
+        a_pool.free_async(back, spare).unwrap();
+        for i in 0..5 {
+            let hits = b_pool.stats().cache_hits;
+            let b = b_pool.alloc_async(2048, s).unwrap_or_else(|e| {
+                panic!("{s}, try {i}: pool B refused a stream it never retired: {e}")
+            });
+            allocs[1] += 1;
+            assert_eq!(
+                b_pool.stats().cache_hits,
+                hits + 1,
+                "{s}, try {i}: pool B's cache hit"
+            );
+            b_pool.free_async(b, s).unwrap();
+        }
+    }
+    drained(&a_pool, allocs[0], "pool A");
+    drained(&b_pool, allocs[1], "pool B");
+}
