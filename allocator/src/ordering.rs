@@ -402,6 +402,36 @@ pub(crate) struct StreamState {
     /// The last epoch closed with no event because the driver stream was
     /// already destroyed: its frees complete only by a device-wide wait.
     pub orphaned: Option<u64>,
+    /// Slow allocations in flight on this stream ([`AllocInFlight`]): the
+    /// entry is not forgotten while any is, so that their counts land on
+    /// counters the ledger still folds.
+    pub allocating: u32,
+}
+
+/// A slow allocation in flight on a stream, from the moment it found the
+/// stream's entry until it has counted itself there (or failed): while it
+/// lives the entry is not forgotten, even if the stream is retired
+/// meanwhile. Made only for a stream not retired yet.
+pub(crate) struct AllocInFlight<'a> {
+    entry: &'a StreamEntry,
+}
+
+impl<'a> AllocInFlight<'a> {
+    /// Mark an allocation in flight on `entry`, or refuse a retired stream.
+    pub fn mark(entry: &'a StreamEntry, stream: Stream) -> Result<Self, PoolError> {
+        let mut st = lock(&entry.state);
+        if st.retired {
+            return Err(PoolError::StreamRetired { stream });
+        }
+        st.allocating += 1;
+        Ok(AllocInFlight { entry })
+    }
+}
+
+impl Drop for AllocInFlight<'_> {
+    fn drop(&mut self) {
+        lock(&self.entry.state).allocating -= 1;
+    }
 }
 
 impl StreamState {
@@ -420,6 +450,7 @@ impl StreamState {
             donor: false,
             counters: Default::default(),
             orphaned: None,
+            allocating: 0,
         }
     }
 
@@ -1008,7 +1039,7 @@ impl<D: Device> StreamOrder<D> {
                 continue;
             };
             let mut st = lock(&entry.state);
-            if !st.retired || st.busy() || st.orphaned.is_some() {
+            if !st.retired || st.busy() || st.orphaned.is_some() || st.allocating > 0 {
                 i += 1;
                 continue;
             }

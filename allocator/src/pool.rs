@@ -460,6 +460,9 @@ impl<D: Device> MemPool<D> {
             inner.device.check_stream(stream)?;
         }
         let entry = inner.order.entry(stream)?;
+        // A retire racing this allocation cannot have the entry forgotten
+        // (its counters folded) before the allocation is counted there.
+        let _in_flight = crate::ordering::AllocInFlight::mark(&entry, stream)?;
         if !checked {
             if let Some(offset) = inner.take_cached(&entry, stream, size, len)? {
                 return Ok(self.allocation_at(offset, size, stream));
