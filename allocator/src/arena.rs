@@ -224,17 +224,7 @@ impl Gaps {
     }
 
     fn release_in(&mut self, off: usize, len: usize) {
-        let pos = self.spans.lower_bound(&off);
-        let left = self
-            .spans
-            .before(pos)
-            .filter(|&(lo, &ll)| lo + ll == off)
-            .map(|(lo, &ll)| (lo, ll));
-        let right = self
-            .spans
-            .at(pos)
-            .filter(|&(ro, _)| ro == off + len)
-            .map(|(_, &rl)| rl);
+        let (pos, left, right) = self.spans.touching(off, len);
         match (left, right) {
             (Some((lo, ll)), Some(rl)) => {
                 self.remove(off + len);
@@ -755,17 +745,7 @@ impl Arena {
     }
 
     fn run_add_in(&mut self, off: usize, len: usize) {
-        let pos = self.runs.lower_bound(&off);
-        let left = self
-            .runs
-            .before(pos)
-            .filter(|&(lo, &ll)| lo + ll == off)
-            .map(|(lo, &ll)| (lo, ll));
-        let right = self
-            .runs
-            .at(pos)
-            .filter(|&(ro, _)| ro == off + len)
-            .map(|(_, &rl)| rl);
+        let (pos, left, right) = self.runs.touching(off, len);
         match (left, right) {
             (Some((lo, ll)), Some(rl)) => {
                 self.runs.remove(&(off + len));

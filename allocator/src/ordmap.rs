@@ -436,6 +436,25 @@ impl<'a, K: Copy, V> Iterator for RevIter<'a, K, V> {
     }
 }
 
+impl OrdMap<usize, usize> {
+    /// For a map of spans (start → length), where `[off, off + len)` would
+    /// go: its position, the span ending exactly at `off` (start, length)
+    /// and the length of the span starting exactly at `off + len`, the
+    /// neighbours it would merge with.
+    pub fn touching(&self, off: usize, len: usize) -> (Pos, Option<(usize, usize)>, Option<usize>) {
+        let pos = self.lower_bound(&off);
+        let left = self
+            .before(pos)
+            .filter(|&(lo, &ll)| lo + ll == off)
+            .map(|(lo, &ll)| (lo, ll));
+        let right = self
+            .at(pos)
+            .filter(|&(ro, _)| ro == off + len)
+            .map(|(_, &rl)| rl);
+        (pos, left, right)
+    }
+}
+
 impl<K: Ord + Copy, V: PartialEq> PartialEq for OrdMap<K, V> {
     fn eq(&self, other: &Self) -> bool {
         self.len == other.len && self.iter().eq(other.iter())
