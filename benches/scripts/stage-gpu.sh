@@ -43,9 +43,9 @@ for line in sys.stdin:
     if msg.get("reason") != "compiler-artifact":
         continue
     target = msg["target"]
-    if "cdylib" in target["kind"]:
+    if "cdylib" in target["kind"] or "staticlib" in target["kind"]:
         for f in msg.get("filenames", []):
-            if f.endswith(".so"):
+            if f.endswith(".so") or f.endswith(".a"):
                 shutil.copy2(f, os.path.join(stage, "lib"))
                 print("staged", os.path.join(stage, "lib", os.path.basename(f)))
         continue
@@ -70,8 +70,12 @@ stage test test --workspace --release --no-run
 if [ "$mode" = all ]; then
   stage bench bench --workspace --no-run
   stage bin build --workspace --release --bins --examples --lib
+else
+  # The C-ABI tests link the libraries.
+  stage bin build --release -p tidepool-capi --lib
 fi
 strip "$stage"/tests/* "$stage"/benches/* "$stage"/bin/* 2>/dev/null || true
+strip --strip-debug "$stage"/lib/*.a 2>/dev/null || true
 
 cat > "$stage/run.sh" <<'RUN'
 #!/usr/bin/env bash
@@ -82,6 +86,8 @@ root=$(cd "$here/.." && pwd)
 what=${1:-tests}; shift || true
 export TIDEPOOL_REQUIRE_GPU=${TIDEPOOL_REQUIRE_GPU:-1}
 export LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# The C-ABI tests link the staged libraries (there is no cargo to build them).
+[ -f "$here/lib/libtidepool.a" ] && export TIDEPOOL_CAPI_LIB_DIR="$here/lib"
 status=0
 each() { # each tests|benches [ARGS...]
   local folder=$1; shift

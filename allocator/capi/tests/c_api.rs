@@ -13,11 +13,24 @@ fn manifest_dir() -> PathBuf {
 /// The directory holding a fresh `libtidepool.so` / `libtidepool.a`.
 /// `cargo test` does not build a library that has no Rust crate type for
 /// the tests to link, so build it here (same cargo, profile and target
-/// directory), once per test process.
+/// directory), once per test process. A machine without cargo (binaries
+/// staged for a GPU machine) names a directory holding both libraries,
+/// built from the same commit, in `TIDEPOOL_CAPI_LIB_DIR`.
 fn lib_dir() -> PathBuf {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
     BUILT
         .get_or_init(|| {
+            if let Some(dir) = std::env::var_os("TIDEPOOL_CAPI_LIB_DIR") {
+                let dir = PathBuf::from(dir);
+                for lib in ["libtidepool.so", "libtidepool.a"] {
+                    assert!(
+                        dir.join(lib).exists(),
+                        "TIDEPOOL_CAPI_LIB_DIR={} holds no {lib}",
+                        dir.display()
+                    );
+                }
+                return dir;
+            }
             let exe = std::env::current_exe().expect("test executable path");
             // target/<profile>/deps/<test> -> target/<profile>
             let profile_dir = exe
