@@ -211,8 +211,15 @@ impl<D: Device> Pages<'_, D> {
         for _ in 0..plan.spare_used {
             pool.push(st.arena.pop_spare_single().expect("counted"));
         }
+        // Where each moved page was active, for the trace of binds below.
+        let tracing_binds = tracing::enabled!(tracing::Level::TRACE);
+        let mut moved_from: Vec<(usize, usize)> = Vec::new();
         for &v in &plan.victims {
-            pool.push(st.arena.deactivate(v));
+            let i = st.arena.deactivate(v);
+            if tracing_binds {
+                moved_from.push((i, v));
+            }
+            pool.push(i);
         }
         for &p in &plan.singles {
             got.push((p, pool.pop().expect("one page per single")));
@@ -292,6 +299,9 @@ impl<D: Device> Pages<'_, D> {
         got.sort_unstable();
         let mut binds = got.into_iter();
         while let Some((p, i)) = binds.next() {
+            if tracing_binds {
+                self.trace_bind(st, p, i, len, &moved_from, &created);
+            }
             if let Err(e) = self.bind(st, p, i) {
                 st.arena.push_spare(i);
                 for (_, i) in binds {
@@ -303,6 +313,42 @@ impl<D: Device> Pages<'_, D> {
         }
         st.arena.take(start, len);
         Ok(start)
+    }
+
+    /// Why page `p` of a block of `len` bytes costs a bind with unit `i`:
+    /// whether `p` held a ghost and, if so, where that ghost's physical
+    /// page is active now (in use there, so the ghost could not come
+    /// back); and where `i` comes from (moved from an idle page, new, or
+    /// spare). The figures that explain a workload's binds, zone by zone.
+    fn trace_bind(
+        &self,
+        st: &State<'_>,
+        p: usize,
+        i: usize,
+        len: usize,
+        moved_from: &[(usize, usize)],
+        created: &[usize],
+    ) {
+        let ghost_active_at = st
+            .arena
+            .mapping_at(p)
+            .and_then(|g| st.arena.owner(g))
+            .map(|q| (q, st.zone_of(q), st.arena.users(q)));
+        let source = match moved_from.iter().find(|m| m.0 == i) {
+            Some(&(_, q)) => format!("moved from page {q} (zone {})", st.zone_of(q)),
+            None if created.contains(&i) => "new".to_string(),
+            None => "spare".to_string(),
+        };
+        tracing::trace!(
+            pool = self.pool,
+            len,
+            page = p,
+            zone = st.zone_of(p),
+            had_ghost = st.arena.mapping_at(p).is_some(),
+            ghost_active_at = ?ghost_active_at,
+            source = %source,
+            "page bind"
+        );
     }
 
     /// Pages of the largest unit this pool creates (a power of two; 1

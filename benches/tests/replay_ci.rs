@@ -1,7 +1,7 @@
 //! CI gate of the replay memory target: both GPT-2 traces replayed
-//! through tidepool on the host backend (gpt2-fixed fresh and warm,
-//! gpt2-varlen over three passes) must reach peak reserved / peak live
-//! <= 1.02 on every pass with no out-of-memory.
+//! through tidepool on the host backend (gpt2-fixed over four passes,
+//! gpt2-varlen over three) must reach peak reserved / peak live <= 1.02 on
+//! every pass with no out-of-memory.
 //!
 //! The trace is located at run time from `CARGO_MANIFEST_DIR` (the GPU
 //! machine runs staged binaries with it set), falling back to the value
@@ -74,12 +74,19 @@ fn check(name: &str, passes: u32, gate_warm_binds: bool) {
     }
 }
 
-/// The whole trace (about 1 s in a debug build), fresh and warm.
+/// The whole trace (about 1 s a pass in a debug build), fresh and three
+/// warm passes: a pass starts from the layout the previous one left, so
+/// the later warm passes meet other placements than the first.
 #[test]
 fn gpt2_fixed_on_host_within_target() {
-    // Warm binds not gated: 300-1100 per pass (its huge blocks' layout
-    // repeats every two steps, the other blocks' every step).
-    check("gpt2-fixed.csv.gz", 2, false);
+    // Warm binds not gated: 311 / 1089 / 624 on passes 2-4. Each pass
+    // replays the trace's first steps, after which the medium and big
+    // zones' first-fit layout takes about 12 steps to settle; the last
+    // 785 MiB block of each step is placed at the pool's peak, where it
+    // takes every idle page, so every page by which the set of pages in
+    // use then differs from the settled steps' costs a bind (see
+    // docs/benchmarks.md, "Warm-pass binds of gpt2-fixed").
+    check("gpt2-fixed.csv.gz", 4, false);
 }
 
 /// The fragmentation case, fresh pass.
