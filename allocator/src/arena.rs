@@ -18,7 +18,7 @@
 //! never share physical memory.
 //! This module is bookkeeping only; the device calls are made by the policy.
 
-use crate::ordmap::OrdMap;
+use crate::ordmap::{OrdMap, Pos};
 use slab::Slab;
 #[cfg(test)]
 use std::collections::BTreeSet;
@@ -150,13 +150,17 @@ impl Gaps {
     fn set_leaf(&mut self, p: usize, v: usize) {
         let mut i = self.leaves + p;
         self.tree[i] = v;
+        // The node just written and its sibling make their parent: one
+        // load per level.
+        let mut cur = v;
         while i > 1 {
+            let m = cur.max(self.tree[i ^ 1]);
             i /= 2;
-            let m = self.tree[2 * i].max(self.tree[2 * i + 1]);
             if self.tree[i] == m {
                 break;
             }
             self.tree[i] = m;
+            cur = m;
         }
     }
 
@@ -408,7 +412,7 @@ pub(crate) struct Arena {
     /// only at these, per stream, oldest first.
     pending: OrdMap<(u64, u64, usize), ()>,
     /// Reused by `settle` (no allocation per call).
-    settle_scratch: Vec<(usize, FreeRange, Guard)>,
+    settle_scratch: Vec<(usize, Guard, Guard)>,
     reserved: u64,
     reserved_high: u64,
     growths: u64,
@@ -733,15 +737,13 @@ impl Arena {
     fn run_reshape(&mut self, old: usize, new: usize, len: usize) {
         let slot = self.runs.rekey(&old, new).expect("run exists");
         let was = std::mem::replace(slot, len);
-        self.by_size.remove(&(was, old));
-        self.by_size.insert((len, new), ());
+        self.by_size.move_key(&(was, old), (len, new));
     }
 
     /// The run of `was` bytes at `old` became `[new, new + len)` by
     /// address: its entry by length follows.
     fn run_resized(&mut self, old: usize, was: usize, new: usize, len: usize) {
-        self.by_size.remove(&(was, old));
-        self.by_size.insert((len, new), ());
+        self.by_size.move_key(&(was, old), (len, new));
     }
 
     fn run_add_in(&mut self, off: usize, len: usize) {
@@ -858,22 +860,37 @@ impl Arena {
     }
 
     fn add_users(&mut self, off: usize, len: usize) {
-        for p in self.page_span(off, len) {
-            debug_assert!(self.pages[p].active, "block on an inactive page");
-            if self.pages[p].users == 0 {
-                self.idle.remove(p);
+        let span = self.page_span(off, len);
+        let first = *span.start();
+        let Arena { pages, idle, .. } = self;
+        for (p, slot) in (first..).zip(&mut pages[span]) {
+            debug_assert!(slot.active, "block on an inactive page");
+            if slot.users == 0 {
+                idle.remove(p);
             }
-            self.pages[p].users += 1;
+            slot.users += 1;
         }
     }
 
     fn drop_users(&mut self, off: usize, len: usize) {
-        for p in self.page_span(off, len) {
-            self.pages[p].users -= 1;
-            if self.pages[p].users == 0 {
-                self.idle.insert(p);
-                self.idle_since[p] = self.idle_clock;
-                self.idle_clock += 1;
+        let span = self.page_span(off, len);
+        let first = *span.start();
+        let Arena {
+            pages,
+            idle,
+            idle_since,
+            idle_clock,
+            ..
+        } = self;
+        for ((p, slot), since) in (first..)
+            .zip(&mut pages[span.clone()])
+            .zip(&mut idle_since[span])
+        {
+            slot.users -= 1;
+            if slot.users == 0 {
+                idle.insert(p);
+                *since = *idle_clock;
+                *idle_clock += 1;
             }
         }
     }
@@ -1166,15 +1183,16 @@ impl Arena {
         &self,
         stream: u64,
         upgrade: &mut impl FnMut(Guard) -> Option<Guard>,
-        changed: &mut Vec<(usize, FreeRange, Guard)>,
+        changed: &mut Vec<(usize, Guard, Guard)>,
     ) {
         for ((_, epoch, off), _) in self
             .pending
             .iter_from(&(stream, 0, 0))
             .take_while(|(k, _)| k.0 == stream)
         {
-            match upgrade(Guard::After { stream, epoch }) {
-                Some(g) => changed.push((off, *self.free.get(&off).expect("indexed"), g)),
+            let was = Guard::After { stream, epoch };
+            match upgrade(was) {
+                Some(g) => changed.push((off, was, g)),
                 None => break,
             }
         }
@@ -1183,46 +1201,110 @@ impl Arena {
     /// Rewrite the guards collected by [`collect_settled`](Self::collect_settled).
     fn apply_settled(
         &mut self,
-        mut changed: Vec<(usize, FreeRange, Guard)>,
+        mut changed: Vec<(usize, Guard, Guard)>,
         mut upgrade: impl FnMut(Guard) -> Option<Guard>,
     ) {
         changed.sort_unstable_by_key(|c| c.0);
-        // Re-inserting a range merges it with both neighbours where the
-        // guards allow, so neighbours upgraded in any order end up merged.
-        // A range already merged into an earlier one (under its old
-        // guard) is looked up again and upgraded where it now lies.
-        for &(o, r, g) in &changed {
-            if self
-                .free
-                .get(&o)
-                .is_some_and(|cur| cur.len == r.len && cur.guard == r.guard)
-            {
-                self.remove_raw(o);
-                self.insert_free(o, r.len, g);
+        // Each range is upgraded where it lies and merged with both
+        // neighbours where the guards allow, so neighbours upgraded in any
+        // order end up merged. Ranges are visited by address: one still at
+        // its place is as it was collected (only a lower range, merging
+        // into it from the left, removes it). A range already merged into
+        // a lower one (under its old guard) is looked up again and
+        // upgraded where it now lies.
+        for &(o, was, g) in &changed {
+            let pos = self.free.lower_bound(&o);
+            if let Some((at, &cur)) = self.free.at(pos).filter(|&(at, _)| at == o) {
+                let g = if cur.guard == was {
+                    Some(g)
+                } else {
+                    upgrade(cur.guard)
+                };
+                if let Some(g) = g {
+                    self.upgrade_at(pos, at, cur, g);
+                }
                 continue;
             }
-            let Some((start, &cur)) = self.free.last_le(&o) else {
+            let Some((start, &cur)) = self.free.before(pos) else {
                 continue;
             };
             if start + cur.len <= o {
                 continue;
             }
             if let Some(g) = upgrade(cur.guard) {
-                self.remove_raw(start);
-                self.insert_free(start, cur.len, g);
+                let pos = self.free.lower_bound(&start);
+                self.upgrade_at(pos, start, cur, g);
             }
         }
         self.settle_scratch = changed;
+    }
+
+    /// The free range `r` at `o` (found at `pos`) takes guard `g` in place
+    /// and merges with its neighbours where the guards allow (the left one
+    /// first, then the right one under the merged guard): what removing it
+    /// and giving it back under `g` would do, with one search.
+    fn upgrade_at(&mut self, pos: Pos, o: usize, r: FreeRange, g: Guard) {
+        self.unindex_pending(o, r.guard);
+        let left = self
+            .free
+            .before(pos)
+            .filter(|&(lo, l)| lo + l.len == o)
+            .and_then(|(lo, &l)| l.guard.merge(g).map(|m| (lo, l, m)));
+        let after_left = left.map_or(g, |(_, _, m)| m);
+        let right = self
+            .free
+            .after(pos)
+            .filter(|&(ro, _)| ro == o + r.len)
+            .and_then(|(ro, &rr)| rr.guard.merge(after_left).map(|m| (ro, rr, m)));
+        match (left, right) {
+            (None, None) => {
+                self.free.at_mut(pos).expect("upgraded range").guard = g;
+                self.index_pending(o, g);
+            }
+            (Some((lo, l, m)), None) => {
+                *self.free.before_mut(pos).expect("left neighbour") = FreeRange {
+                    len: l.len + r.len,
+                    guard: m,
+                };
+                self.free.remove_at_pos(pos);
+                if l.guard != m {
+                    self.unindex_pending(lo, l.guard);
+                    self.index_pending(lo, m);
+                }
+            }
+            (None, Some((ro, rr, m))) => {
+                *self.free.at_mut(pos).expect("upgraded range") = FreeRange {
+                    len: r.len + rr.len,
+                    guard: m,
+                };
+                self.free.remove(&ro);
+                self.unindex_pending(ro, rr.guard);
+                self.index_pending(o, m);
+            }
+            (Some((lo, l, _)), Some((ro, rr, m))) => {
+                *self.free.before_mut(pos).expect("left neighbour") = FreeRange {
+                    len: l.len + r.len + rr.len,
+                    guard: m,
+                };
+                self.free.remove(&ro);
+                self.free.remove(&o);
+                self.unindex_pending(ro, rr.guard);
+                if l.guard != m {
+                    self.unindex_pending(lo, l.guard);
+                    self.index_pending(lo, m);
+                }
+            }
+        }
     }
 
     /// `settle` by a scan of every free range (the model the index is
     /// tested against).
     #[cfg(test)]
     fn settle_linear(&mut self, mut upgrade: impl FnMut(Guard) -> Option<Guard>) {
-        let changed: Vec<(usize, FreeRange, Guard)> = self
+        let changed: Vec<(usize, Guard, Guard)> = self
             .free
             .iter()
-            .filter_map(|(o, &r)| upgrade(r.guard).map(|g| (o, r, g)))
+            .filter_map(|(o, &r)| upgrade(r.guard).map(|g| (o, r.guard, g)))
             .collect();
         self.apply_settled(changed, upgrade);
     }
@@ -1699,6 +1781,15 @@ impl Arena {
                     assert!(!self.pages[p].active, "hole over an active page");
                 }
             }
+        }
+        // Adjacent free ranges are merged wherever their guards allow.
+        let ranges: Vec<(usize, FreeRange)> = self.free.iter().map(|(o, &r)| (o, r)).collect();
+        for w in ranges.windows(2) {
+            let ((a, ra), (b, rb)) = (w[0], w[1]);
+            assert!(
+                a + ra.len != b || ra.guard.merge(rb.guard).is_none(),
+                "free ranges at {a} and {b} are left unmerged"
+            );
         }
         // The runs are the maximal unions of adjacent free ranges.
         let mut runs: Vec<(usize, usize)> = Vec::new();
