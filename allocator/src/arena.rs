@@ -45,22 +45,36 @@ impl PageSet {
     }
 
     fn insert(&mut self, p: usize) {
-        let w = p / 64;
-        self.words[w] |= 1 << (p % 64);
-        self.summary[w / 64] |= 1 << (w % 64);
+        self.insert_word(p / 64, 1 << (p % 64));
     }
 
     fn remove(&mut self, p: usize) {
-        let w = p / 64;
-        self.words[w] &= !(1 << (p % 64));
-        if self.words[w] == 0 {
-            self.summary[w / 64] &= !(1 << (w % 64));
-        }
+        self.remove_word(p / 64, 1 << (p % 64));
     }
 
     #[cfg(test)]
     fn contains(&self, p: usize) -> bool {
         self.words[p / 64] & (1 << (p % 64)) != 0
+    }
+
+    /// Add the pages of word `w` set in `mask`.
+    #[inline]
+    fn insert_word(&mut self, w: usize, mask: u64) {
+        if mask != 0 {
+            self.words[w] |= mask;
+            self.summary[w / 64] |= 1 << (w % 64);
+        }
+    }
+
+    /// Remove the pages of word `w` set in `mask`.
+    #[inline]
+    fn remove_word(&mut self, w: usize, mask: u64) {
+        if mask != 0 {
+            self.words[w] &= !mask;
+            if self.words[w] == 0 {
+                self.summary[w / 64] &= !(1 << (w % 64));
+            }
+        }
     }
 
     /// The highest page of the set below `end` (exclusive).
@@ -118,6 +132,9 @@ impl PageSet {
 struct Gaps {
     spans: OrdMap<usize, usize>,
     tree: Vec<usize>,
+    /// Per page, how many spans start in it: a leaf whose only span
+    /// shrank or went is set again with no look at the map.
+    starts: Vec<u32>,
     leaves: usize,
     page: usize,
     /// The part of the address space the spans cover (first fit is used
@@ -131,6 +148,7 @@ impl Gaps {
         let mut g = Gaps {
             spans: OrdMap::new(),
             tree: vec![0; 2 * leaves],
+            starts: vec![0; leaves],
             leaves,
             page,
             region: region.clone(),
@@ -167,6 +185,7 @@ impl Gaps {
     fn insert(&mut self, off: usize, len: usize) {
         self.spans.insert(off, len);
         let p = off / self.page;
+        self.starts[p] += 1;
         if len > self.tree[self.leaves + p] {
             self.set_leaf(p, len);
         }
@@ -174,14 +193,26 @@ impl Gaps {
 
     fn remove(&mut self, off: usize) -> usize {
         let len = self.spans.remove(&off).expect("span exists");
-        self.lost(off / self.page, len);
+        let p = off / self.page;
+        self.starts[p] -= 1;
+        self.lost(p, len, None);
         len
     }
 
-    /// A span of `len` bytes starting in page `p` went or shrank: the
-    /// leaf is looked at again if that span was its longest.
-    fn lost(&mut self, p: usize, len: usize) {
+    /// A span of `len` bytes starting in page `p` went (`now` `None`) or
+    /// shrank to `now` bytes: the leaf is looked at again if that span was
+    /// its longest, through the map only where other spans start there.
+    fn lost(&mut self, p: usize, len: usize, now: Option<usize>) {
         if len == self.tree[self.leaves + p] {
+            let only = match (self.starts[p], now) {
+                (0, _) => Some(0),
+                (1, Some(now)) => Some(now),
+                _ => None,
+            };
+            if let Some(m) = only {
+                self.set_leaf(p, m);
+                return;
+            }
             let start = p * self.page;
             let m = self
                 .spans
@@ -205,8 +236,12 @@ impl Gaps {
     /// new + len)` in the map.
     fn reshaped(&mut self, old: usize, new: usize, len: usize, was: usize) {
         let (po, pn) = (old / self.page, new / self.page);
-        if po != pn || len < was {
-            self.lost(po, was);
+        if po != pn {
+            self.starts[po] -= 1;
+            self.starts[pn] += 1;
+            self.lost(po, was, None);
+        } else if len < was {
+            self.lost(po, was, Some(len));
         }
         if len > self.tree[self.leaves + pn] {
             self.set_leaf(pn, len);
@@ -245,6 +280,7 @@ impl Gaps {
             (None, None) => {
                 self.spans.insert_at(pos, off, len);
                 let p = off / self.page;
+                self.starts[p] += 1;
                 if len > self.tree[self.leaves + p] {
                     self.set_leaf(p, len);
                 }
@@ -863,13 +899,20 @@ impl Arena {
         let span = self.page_span(off, len);
         let first = *span.start();
         let Arena { pages, idle, .. } = self;
+        // The pages that stop being idle leave the set a word at a time.
+        let (mut word, mut mask) = (first / 64, 0u64);
         for (p, slot) in (first..).zip(&mut pages[span]) {
             debug_assert!(slot.active, "block on an inactive page");
             if slot.users == 0 {
-                idle.remove(p);
+                if p / 64 != word {
+                    idle.remove_word(word, mask);
+                    (word, mask) = (p / 64, 0);
+                }
+                mask |= 1 << (p % 64);
             }
             slot.users += 1;
         }
+        idle.remove_word(word, mask);
     }
 
     fn drop_users(&mut self, off: usize, len: usize) {
@@ -882,17 +925,24 @@ impl Arena {
             idle_clock,
             ..
         } = self;
+        // The pages that fall idle join the set a word at a time.
+        let (mut word, mut mask) = (first / 64, 0u64);
         for ((p, slot), since) in (first..)
             .zip(&mut pages[span.clone()])
             .zip(&mut idle_since[span])
         {
             slot.users -= 1;
             if slot.users == 0 {
-                idle.insert(p);
+                if p / 64 != word {
+                    idle.insert_word(word, mask);
+                    (word, mask) = (p / 64, 0);
+                }
+                mask |= 1 << (p % 64);
                 *since = *idle_clock;
                 *idle_clock += 1;
             }
         }
+        idle.insert_word(word, mask);
     }
 
     /// Hand out `[off, off+len)`, which must be covered by free ranges
@@ -1834,6 +1884,12 @@ impl Arena {
                 .max()
                 .unwrap_or(0);
             assert_eq!(self.gaps.tree[self.gaps.leaves + p], want, "leaf {p}");
+            let n = self
+                .gaps
+                .spans
+                .range(p * self.page, (p + 1) * self.page)
+                .count();
+            assert_eq!(self.gaps.starts[p] as usize, n, "span starts in page {p}");
         }
         for i in 1..self.gaps.leaves {
             let t = &self.gaps.tree;
