@@ -191,14 +191,6 @@ impl Gaps {
         }
     }
 
-    fn remove(&mut self, off: usize) -> usize {
-        let len = self.spans.remove(&off).expect("span exists");
-        let p = off / self.page;
-        self.starts[p] -= 1;
-        self.lost(p, len, None);
-        len
-    }
-
     /// A span of `len` bytes starting in page `p` went (`now` `None`) or
     /// shrank to `now` bytes: the leaf is looked at again if that span was
     /// its longest, through the map only where other spans start there.
@@ -222,14 +214,6 @@ impl Gaps {
                 .unwrap_or(0);
             self.set_leaf(p, m);
         }
-    }
-
-    /// The span at `old` becomes `[new, new + len)`, where no other span
-    /// starts between `old` and `new`: rewritten in place.
-    fn reshape(&mut self, old: usize, new: usize, len: usize) {
-        let slot = self.spans.rekey(&old, new).expect("span exists");
-        let was = std::mem::replace(slot, len);
-        self.reshaped(old, new, len, was);
     }
 
     /// The leaves after the span of `was` bytes at `old` became `[new,
@@ -266,8 +250,14 @@ impl Gaps {
         let (pos, left, right) = self.spans.touching(off, len);
         match (left, right) {
             (Some((lo, ll)), Some(rl)) => {
-                self.remove(off + len);
-                self.reshape(lo, lo, ll + len + rl);
+                // The left span grows over the right one, which goes: both
+                // rewritten where the search found them.
+                *self.spans.before_mut(pos).expect("left span") = ll + len + rl;
+                self.spans.remove_at_pos(pos);
+                let pr = (off + len) / self.page;
+                self.starts[pr] -= 1;
+                self.lost(pr, rl, None);
+                self.reshaped(lo, lo, ll + len + rl, ll);
             }
             (Some((lo, ll)), None) => {
                 *self.spans.before_mut(pos).expect("left span") = ll + len;
@@ -312,7 +302,10 @@ impl Gaps {
                 self.reshaped(so, end, so + sl - end, sl);
             }
             (false, false) => {
-                self.remove(so);
+                self.spans.remove_before(pos);
+                let p = so / self.page;
+                self.starts[p] -= 1;
+                self.lost(p, sl, None);
             }
         }
     }
@@ -768,14 +761,6 @@ impl Arena {
         }
     }
 
-    /// The run at `old` becomes `[new, new + len)`, where no other run
-    /// starts between `old` and `new`: rewritten in place by address.
-    fn run_reshape(&mut self, old: usize, new: usize, len: usize) {
-        let slot = self.runs.rekey(&old, new).expect("run exists");
-        let was = std::mem::replace(slot, len);
-        self.by_size.move_key(&(was, old), (len, new));
-    }
-
     /// The run of `was` bytes at `old` became `[new, new + len)` by
     /// address: its entry by length follows.
     fn run_resized(&mut self, old: usize, was: usize, new: usize, len: usize) {
@@ -786,9 +771,10 @@ impl Arena {
         let (pos, left, right) = self.runs.touching(off, len);
         match (left, right) {
             (Some((lo, ll)), Some(rl)) => {
-                self.runs.remove(&(off + len));
+                *self.runs.before_mut(pos).expect("left run") = ll + len + rl;
+                self.runs.remove_at_pos(pos);
                 self.by_size.remove(&(rl, off + len));
-                self.run_reshape(lo, lo, ll + len + rl);
+                self.run_resized(lo, ll, lo, ll + len + rl);
             }
             (Some((lo, ll)), None) => {
                 *self.runs.before_mut(pos).expect("left run") = ll + len;
@@ -827,7 +813,7 @@ impl Arena {
                 self.run_resized(ro, rl, end, ro + rl - end);
             }
             (false, false) => {
-                self.runs.remove(&ro);
+                self.runs.remove_before(pos);
                 self.by_size.remove(&(rl, ro));
             }
         }
@@ -877,12 +863,12 @@ impl Arena {
                 self.reindex_pending(ro, r.guard, off, g);
             }
             (Some((lo, l, _)), Some((ro, r, g))) => {
-                self.free.remove(&ro);
-                self.unindex_pending(ro, r.guard);
-                *self.free.get_mut(&lo).expect("left neighbour") = FreeRange {
+                *self.free.before_mut(pos).expect("left neighbour") = FreeRange {
                     len: l.len + len + r.len,
                     guard: g,
                 };
+                self.free.remove_at_pos(pos);
+                self.unindex_pending(ro, r.guard);
                 if l.guard != g {
                     self.unindex_pending(lo, l.guard);
                     self.index_pending(lo, g);
@@ -973,7 +959,8 @@ impl Arena {
                     self.free.rekey_before(pos, end).expect("range").len = o + old.len - end;
                     self.reindex_pending(o, old.guard, end, old.guard);
                 } else {
-                    self.remove_raw(o);
+                    self.free.remove_before(pos);
+                    self.unindex_pending(o, old.guard);
                 }
                 self.add_users(off, len);
                 return;

@@ -261,6 +261,12 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
         Some(self.remove_at(c, i))
     }
 
+    /// Remove the entry before `pos` (no search); returns it.
+    pub fn remove_before(&mut self, pos: Pos) -> Option<(K, V)> {
+        let (c, i) = self.entry_before(pos)?;
+        Some(self.remove_at(c, i))
+    }
+
     /// The value of the entry before `pos`, mutable.
     #[inline]
     pub fn before_mut(&mut self, pos: Pos) -> Option<&mut V> {
@@ -587,6 +593,11 @@ mod tests {
                 let mine = map.remove_at_pos(pos);
                 let first = model.range(q..).next().map(|(&k, _)| k);
                 assert_eq!(mine, first.map(|k| (k, model.remove(&k).unwrap())));
+                continue;
+            } else if step % 7 == 5 && !grow {
+                let mine = map.remove_before(pos);
+                let last = model.range(..q).next_back().map(|(&k, _)| k);
+                assert_eq!(mine, last.map(|k| (k, model.remove(&k).unwrap())));
                 continue;
             }
             if step % 5 == 0 && !model.contains_key(&q) {
