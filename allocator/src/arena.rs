@@ -342,6 +342,21 @@ impl Gaps {
     }
 }
 
+/// A run's key by length: (length, start) in one integer, length in the
+/// high half, so that keys compare as the pairs would, in one comparison.
+type SizeKey = u128;
+const _: () = assert!(usize::BITS <= 64, "a length and a start fit in a u128");
+
+#[inline]
+fn size_key(len: usize, off: usize) -> SizeKey {
+    ((len as u128) << 64) | off as u128
+}
+
+#[inline]
+fn from_size_key(k: SizeKey) -> (usize, usize) {
+    ((k >> 64) as usize, k as u64 as usize)
+}
+
 /// When a free range may be reused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Guard {
@@ -423,7 +438,7 @@ pub(crate) struct Arena {
     /// to length, and by (length, start). A block may span several ranges
     /// of a run when each of them is usable by its stream.
     runs: OrdMap<usize, usize>,
-    by_size: OrdMap<(usize, usize), ()>,
+    by_size: OrdMap<SizeKey, ()>,
     /// Where best fit is used (see `set_best_fit_regions`).
     fit_regions: Vec<std::ops::Range<usize>>,
     holes: OrdMap<usize, usize>,
@@ -764,7 +779,8 @@ impl Arena {
     /// The run of `was` bytes at `old` became `[new, new + len)` by
     /// address: its entry by length follows.
     fn run_resized(&mut self, old: usize, was: usize, new: usize, len: usize) {
-        self.by_size.move_key(&(was, old), (len, new));
+        self.by_size
+            .move_key(&size_key(was, old), size_key(len, new));
     }
 
     fn run_add_in(&mut self, off: usize, len: usize) {
@@ -773,7 +789,7 @@ impl Arena {
             (Some((lo, ll)), Some(rl)) => {
                 *self.runs.before_mut(pos).expect("left run") = ll + len + rl;
                 self.runs.remove_at_pos(pos);
-                self.by_size.remove(&(rl, off + len));
+                self.by_size.remove(&size_key(rl, off + len));
                 self.run_resized(lo, ll, lo, ll + len + rl);
             }
             (Some((lo, ll)), None) => {
@@ -786,7 +802,7 @@ impl Arena {
             }
             (None, None) => {
                 self.runs.insert_at(pos, off, len);
-                self.by_size.insert((len, off), ());
+                self.by_size.insert(size_key(len, off), ());
             }
         }
     }
@@ -802,7 +818,7 @@ impl Arena {
                 *self.runs.before_mut(pos).expect("run") = off - ro;
                 self.run_resized(ro, rl, ro, off - ro);
                 self.runs.insert_at(pos, end, ro + rl - end);
-                self.by_size.insert((ro + rl - end, end), ());
+                self.by_size.insert(size_key(ro + rl - end, end), ());
             }
             (true, false) => {
                 *self.runs.before_mut(pos).expect("run") = off - ro;
@@ -814,7 +830,7 @@ impl Arena {
             }
             (false, false) => {
                 self.runs.remove_before(pos);
-                self.by_size.remove(&(rl, ro));
+                self.by_size.remove(&size_key(rl, ro));
             }
         }
     }
@@ -1027,7 +1043,11 @@ impl Arena {
         let mut best: Option<(usize, u8)> = None;
         // The ranges of a run of several: (start, end, class).
         let mut comps: Vec<(usize, usize, Option<u8>)> = Vec::new();
-        for ((rlen, roff), _) in self.by_size.iter_from(&(len, 0)) {
+        for (rlen, roff) in self
+            .by_size
+            .iter_from(&size_key(len, 0))
+            .map(|(k, _)| from_size_key(k))
+        {
             let (lo, hi) = (roff.max(zone.start), (roff + rlen).min(zone.end));
             if lo >= hi || lo.next_multiple_of(align) + len > hi {
                 continue;
@@ -1124,8 +1144,9 @@ impl Arena {
         zone: &std::ops::Range<usize>,
     ) -> Option<usize> {
         self.by_size
-            .iter_from(&(len, 0))
-            .find_map(|((rlen, roff), _)| {
+            .iter_from(&size_key(len, 0))
+            .find_map(|(k, _)| {
+                let (rlen, roff) = from_size_key(k);
                 let (lo, hi) = (roff.max(zone.start), (roff + rlen).min(zone.end));
                 let off = lo.next_multiple_of(align);
                 (lo < hi && off + len <= hi).then_some(off)
@@ -1905,7 +1926,10 @@ impl Arena {
         self.gaps.spans.check();
         assert_eq!(self.runs.len(), self.by_size.len());
         for (o, &l) in self.runs.iter() {
-            assert!(self.by_size.contains_key(&(l, o)), "by_size misses {o}");
+            assert!(
+                self.by_size.contains_key(&size_key(l, o)),
+                "by_size misses {o}"
+            );
         }
         for (i, phys) in self.phys.iter() {
             if let Some(p) = phys.owner {
