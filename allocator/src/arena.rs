@@ -122,15 +122,23 @@ impl PageSet {
 }
 
 /// The maximal spans of the address space that no block uses (free ranges
-/// and holes together), with a max-tree over pages: the leaf of page `p`
-/// holds the length of the longest span starting in `p`, each inner node
-/// the maximum of its children. The lowest span of at least `n` bytes
-/// starting at or after a page is then found in O(log pages), and a span
-/// added, cut or merged updates one leaf per span start (a leaf rescans
-/// the spans starting in its page only when its longest one goes).
+/// and holes together), with a max-tree over pages once there are many of
+/// them: the leaf of page `p` holds the length of the longest span
+/// starting in `p`, each inner node the maximum of its children. The
+/// lowest span of at least `n` bytes starting at or after a page is then
+/// found in O(log pages), and a span added, cut or merged updates one leaf
+/// per span start (a leaf rescans the spans starting in its page only when
+/// its longest one goes). With few spans a walk over them in address order
+/// finds it for less than keeping the tree costs every take and free.
 #[derive(Debug, Clone)]
 struct Gaps {
     spans: OrdMap<usize, usize>,
+    /// Whether `tree` and `starts` are kept (else they are stale).
+    indexed: bool,
+    /// The tree is built once the spans are more than this many...
+    tree_above: usize,
+    /// ...and dropped once they are fewer than this many.
+    tree_below: usize,
     tree: Vec<usize>,
     /// Per page, how many spans start in it: a leaf whose only span
     /// shrank or went is set again with no look at the map.
@@ -147,6 +155,9 @@ impl Gaps {
         let leaves = (va_size / page).next_power_of_two();
         let mut g = Gaps {
             spans: OrdMap::new(),
+            indexed: false,
+            tree_above: GAP_TREE_ABOVE,
+            tree_below: GAP_TREE_BELOW,
             tree: vec![0; 2 * leaves],
             starts: vec![0; leaves],
             leaves,
@@ -165,7 +176,45 @@ impl Gaps {
         (lo < hi).then(|| (lo, hi - lo))
     }
 
+    /// Build the tree where the spans became many, drop it where they
+    /// became few (the thresholds apart, so that a count going up and
+    /// down around one does not rebuild it every time).
+    fn retune(&mut self) {
+        let n = self.spans.len();
+        if self.indexed && n < self.tree_below {
+            self.indexed = false;
+        } else if !self.indexed && n > self.tree_above {
+            self.indexed = true;
+            self.tree.fill(0);
+            self.starts.fill(0);
+            for (o, &l) in self.spans.iter() {
+                let p = o / self.page;
+                self.starts[p] += 1;
+                let leaf = &mut self.tree[self.leaves + p];
+                *leaf = (*leaf).max(l);
+            }
+            for i in (1..self.leaves).rev() {
+                self.tree[i] = self.tree[2 * i].max(self.tree[2 * i + 1]);
+            }
+        }
+    }
+
+    /// One more (`true`) or one fewer span starts in page `p`.
+    #[inline]
+    fn count(&mut self, p: usize, more: bool) {
+        if self.indexed {
+            if more {
+                self.starts[p] += 1;
+            } else {
+                self.starts[p] -= 1;
+            }
+        }
+    }
+
     fn set_leaf(&mut self, p: usize, v: usize) {
+        if !self.indexed {
+            return;
+        }
         let mut i = self.leaves + p;
         self.tree[i] = v;
         // The node just written and its sibling make their parent: one
@@ -185,7 +234,7 @@ impl Gaps {
     fn insert(&mut self, off: usize, len: usize) {
         self.spans.insert(off, len);
         let p = off / self.page;
-        self.starts[p] += 1;
+        self.count(p, true);
         if len > self.tree[self.leaves + p] {
             self.set_leaf(p, len);
         }
@@ -195,7 +244,7 @@ impl Gaps {
     /// shrank to `now` bytes: the leaf is looked at again if that span was
     /// its longest, through the map only where other spans start there.
     fn lost(&mut self, p: usize, len: usize, now: Option<usize>) {
-        if len == self.tree[self.leaves + p] {
+        if self.indexed && len == self.tree[self.leaves + p] {
             let only = match (self.starts[p], now) {
                 (0, _) => Some(0),
                 (1, Some(now)) => Some(now),
@@ -221,8 +270,8 @@ impl Gaps {
     fn reshaped(&mut self, old: usize, new: usize, len: usize, was: usize) {
         let (po, pn) = (old / self.page, new / self.page);
         if po != pn {
-            self.starts[po] -= 1;
-            self.starts[pn] += 1;
+            self.count(po, false);
+            self.count(pn, true);
             self.lost(po, was, None);
         } else if len < was {
             self.lost(po, was, Some(len));
@@ -236,6 +285,7 @@ impl Gaps {
     fn release(&mut self, off: usize, len: usize) {
         if let Some((o, l)) = self.clip(off, len) {
             self.release_in(o, l);
+            self.retune();
         }
     }
 
@@ -243,6 +293,7 @@ impl Gaps {
     fn occupy(&mut self, off: usize, len: usize) {
         if let Some((o, l)) = self.clip(off, len) {
             self.occupy_in(o, l);
+            self.retune();
         }
     }
 
@@ -255,7 +306,7 @@ impl Gaps {
                 *self.spans.before_mut(pos).expect("left span") = ll + len + rl;
                 self.spans.remove_at_pos(pos);
                 let pr = (off + len) / self.page;
-                self.starts[pr] -= 1;
+                self.count(pr, false);
                 self.lost(pr, rl, None);
                 self.reshaped(lo, lo, ll + len + rl, ll);
             }
@@ -270,7 +321,7 @@ impl Gaps {
             (None, None) => {
                 self.spans.insert_at(pos, off, len);
                 let p = off / self.page;
-                self.starts[p] += 1;
+                self.count(p, true);
                 if len > self.tree[self.leaves + p] {
                     self.set_leaf(p, len);
                 }
@@ -304,7 +355,7 @@ impl Gaps {
             (false, false) => {
                 self.spans.remove_before(pos);
                 let p = so / self.page;
-                self.starts[p] -= 1;
+                self.count(p, false);
                 self.lost(p, sl, None);
             }
         }
@@ -313,6 +364,13 @@ impl Gaps {
     /// The lowest page at or after `from` where a span of at least `len`
     /// bytes starts.
     fn first_page(&self, from: usize, len: usize) -> Option<usize> {
+        if !self.indexed {
+            return self
+                .spans
+                .iter_from(&(from * self.page))
+                .find(|&(_, &l)| l >= len)
+                .map(|(o, _)| o / self.page);
+        }
         if from >= self.leaves || self.tree[1] < len {
             return None;
         }
@@ -341,6 +399,14 @@ impl Gaps {
         Some(i - self.leaves)
     }
 }
+
+/// The gaps' max-tree is kept while there are more spans than
+/// [`GAP_TREE_BELOW`] and built once there are more than this many; below,
+/// first fit walks the spans (the GPT-2 traces keep about 60).
+const GAP_TREE_ABOVE: usize = 256;
+
+/// See [`GAP_TREE_ABOVE`].
+const GAP_TREE_BELOW: usize = 32;
 
 /// A run's key by length: (length, start) in one integer, length in the
 /// high half, so that keys compare as the pairs would, in one comparison.
@@ -1883,7 +1949,14 @@ impl Arena {
                 .eq(gaps.iter().copied()),
             "gaps disagree with the free ranges and holes"
         );
-        for p in 0..self.gaps.leaves {
+        let n = self.gaps.spans.len();
+        assert!(
+            (n <= self.gaps.tree_above || self.gaps.indexed)
+                && (n >= self.gaps.tree_below || !self.gaps.indexed),
+            "gap tree kept for {n} spans: {}",
+            self.gaps.indexed
+        );
+        for p in (0..self.gaps.leaves).filter(|_| self.gaps.indexed) {
             let want = self
                 .gaps
                 .spans
@@ -1899,7 +1972,7 @@ impl Arena {
                 .count();
             assert_eq!(self.gaps.starts[p] as usize, n, "span starts in page {p}");
         }
-        for i in 1..self.gaps.leaves {
+        for i in (1..self.gaps.leaves).filter(|_| self.gaps.indexed) {
             let t = &self.gaps.tree;
             assert_eq!(t[i], t[2 * i].max(t[2 * i + 1]), "node {i}");
         }
@@ -2022,6 +2095,9 @@ mod tests {
     #[test]
     fn random_takes_gives_settles_and_moves_keep_the_invariants() {
         let mut a = arena_with_pages(8);
+        // The gap tree built and dropped as the spans come and go.
+        a.gaps.tree_above = 6;
+        a.gaps.tree_below = 3;
         let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
         let mut rnd = move |n: usize| {
             x ^= x << 13;
@@ -2101,6 +2177,10 @@ mod tests {
             // The index covers a part of the space; zones outside it take
             // the walk, zones inside it the index.
             a.set_first_fit_region(SMALL + 512..15 * SMALL);
+            // The gap tree comes and goes with a handful of spans, so that
+            // both the tree and the walk answer, and the switches between.
+            a.gaps.tree_above = 4;
+            a.gaps.tree_below = 2;
             for p in 0..6 {
                 let idx = a.phys.insert(PhysPage {
                     handle: Physical(p as u64),

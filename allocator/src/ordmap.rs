@@ -50,7 +50,6 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
         Self::default()
     }
 
-    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.len
     }
