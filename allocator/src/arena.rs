@@ -364,13 +364,7 @@ impl Gaps {
     /// The lowest page at or after `from` where a span of at least `len`
     /// bytes starts.
     fn first_page(&self, from: usize, len: usize) -> Option<usize> {
-        if !self.indexed {
-            return self
-                .spans
-                .iter_from(&(from * self.page))
-                .find(|&(_, &l)| l >= len)
-                .map(|(o, _)| o / self.page);
-        }
+        debug_assert!(self.indexed, "the tree is kept");
         if from >= self.leaves || self.tree[1] < len {
             return None;
         }
@@ -1604,7 +1598,22 @@ impl Arena {
             }
             from = zone.start + 1;
         }
-        // ...then the spans starting after it, lowest first, long enough.
+        // ...then the spans starting after it, lowest first, long enough:
+        // with few spans, one walk over them...
+        if !self.gaps.indexed {
+            for (o, &l) in self.gaps.spans.iter_from(&from) {
+                if o + len > zone.end {
+                    return None;
+                }
+                if l >= len {
+                    if let Some(s) = in_span(o, l) {
+                        return Some(s);
+                    }
+                }
+            }
+            return None;
+        }
+        // ...else through the tree.
         let page = self.page;
         let mut p = from / page;
         while let Some(q) = self.gaps.first_page(p, len) {
