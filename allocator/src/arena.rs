@@ -18,7 +18,7 @@
 //! never share physical memory.
 //! This module is bookkeeping only; the device calls are made by the policy.
 
-use crate::ordmap::OrdMap;
+use crate::ordmap::{OrdMap, Pos};
 use slab::Slab;
 #[cfg(test)]
 use std::collections::BTreeSet;
@@ -45,22 +45,36 @@ impl PageSet {
     }
 
     fn insert(&mut self, p: usize) {
-        let w = p / 64;
-        self.words[w] |= 1 << (p % 64);
-        self.summary[w / 64] |= 1 << (w % 64);
+        self.insert_word(p / 64, 1 << (p % 64));
     }
 
     fn remove(&mut self, p: usize) {
-        let w = p / 64;
-        self.words[w] &= !(1 << (p % 64));
-        if self.words[w] == 0 {
-            self.summary[w / 64] &= !(1 << (w % 64));
-        }
+        self.remove_word(p / 64, 1 << (p % 64));
     }
 
     #[cfg(test)]
     fn contains(&self, p: usize) -> bool {
         self.words[p / 64] & (1 << (p % 64)) != 0
+    }
+
+    /// Add the pages of word `w` set in `mask`.
+    #[inline]
+    fn insert_word(&mut self, w: usize, mask: u64) {
+        if mask != 0 {
+            self.words[w] |= mask;
+            self.summary[w / 64] |= 1 << (w % 64);
+        }
+    }
+
+    /// Remove the pages of word `w` set in `mask`.
+    #[inline]
+    fn remove_word(&mut self, w: usize, mask: u64) {
+        if mask != 0 {
+            self.words[w] &= !mask;
+            if self.words[w] == 0 {
+                self.summary[w / 64] &= !(1 << (w % 64));
+            }
+        }
     }
 
     /// The highest page of the set below `end` (exclusive).
@@ -108,16 +122,27 @@ impl PageSet {
 }
 
 /// The maximal spans of the address space that no block uses (free ranges
-/// and holes together), with a max-tree over pages: the leaf of page `p`
-/// holds the length of the longest span starting in `p`, each inner node
-/// the maximum of its children. The lowest span of at least `n` bytes
-/// starting at or after a page is then found in O(log pages), and a span
-/// added, cut or merged updates one leaf per span start (a leaf rescans
-/// the spans starting in its page only when its longest one goes).
+/// and holes together), with a max-tree over pages once there are many of
+/// them: the leaf of page `p` holds the length of the longest span
+/// starting in `p`, each inner node the maximum of its children. The
+/// lowest span of at least `n` bytes starting at or after a page is then
+/// found in O(log pages), and a span added, cut or merged updates one leaf
+/// per span start (a leaf rescans the spans starting in its page only when
+/// its longest one goes). With few spans a walk over them in address order
+/// finds it for less than keeping the tree costs every take and free.
 #[derive(Debug, Clone)]
 struct Gaps {
     spans: OrdMap<usize, usize>,
+    /// Whether `tree` and `starts` are kept (else they are stale).
+    indexed: bool,
+    /// The tree is built once the spans are more than this many...
+    tree_above: usize,
+    /// ...and dropped once they are fewer than this many.
+    tree_below: usize,
     tree: Vec<usize>,
+    /// Per page, how many spans start in it: a leaf whose only span
+    /// shrank or went is set again with no look at the map.
+    starts: Vec<u32>,
     leaves: usize,
     page: usize,
     /// The part of the address space the spans cover (first fit is used
@@ -130,7 +155,11 @@ impl Gaps {
         let leaves = (va_size / page).next_power_of_two();
         let mut g = Gaps {
             spans: OrdMap::new(),
+            indexed: false,
+            tree_above: GAP_TREE_ABOVE,
+            tree_below: GAP_TREE_BELOW,
             tree: vec![0; 2 * leaves],
+            starts: vec![0; leaves],
             leaves,
             page,
             region: region.clone(),
@@ -147,37 +176,84 @@ impl Gaps {
         (lo < hi).then(|| (lo, hi - lo))
     }
 
+    /// Build the tree where the spans became many, drop it where they
+    /// became few (the thresholds apart, so that a count going up and
+    /// down around one does not rebuild it every time).
+    fn retune(&mut self) {
+        let n = self.spans.len();
+        if self.indexed && n < self.tree_below {
+            self.indexed = false;
+        } else if !self.indexed && n > self.tree_above {
+            self.indexed = true;
+            self.tree.fill(0);
+            self.starts.fill(0);
+            for (o, &l) in self.spans.iter() {
+                let p = o / self.page;
+                self.starts[p] += 1;
+                let leaf = &mut self.tree[self.leaves + p];
+                *leaf = (*leaf).max(l);
+            }
+            for i in (1..self.leaves).rev() {
+                self.tree[i] = self.tree[2 * i].max(self.tree[2 * i + 1]);
+            }
+        }
+    }
+
+    /// One more (`true`) or one fewer span starts in page `p`.
+    #[inline]
+    fn count(&mut self, p: usize, more: bool) {
+        if self.indexed {
+            if more {
+                self.starts[p] += 1;
+            } else {
+                self.starts[p] -= 1;
+            }
+        }
+    }
+
     fn set_leaf(&mut self, p: usize, v: usize) {
+        if !self.indexed {
+            return;
+        }
         let mut i = self.leaves + p;
         self.tree[i] = v;
+        // The node just written and its sibling make their parent: one
+        // load per level.
+        let mut cur = v;
         while i > 1 {
+            let m = cur.max(self.tree[i ^ 1]);
             i /= 2;
-            let m = self.tree[2 * i].max(self.tree[2 * i + 1]);
             if self.tree[i] == m {
                 break;
             }
             self.tree[i] = m;
+            cur = m;
         }
     }
 
     fn insert(&mut self, off: usize, len: usize) {
         self.spans.insert(off, len);
         let p = off / self.page;
+        self.count(p, true);
         if len > self.tree[self.leaves + p] {
             self.set_leaf(p, len);
         }
     }
 
-    fn remove(&mut self, off: usize) -> usize {
-        let len = self.spans.remove(&off).expect("span exists");
-        self.lost(off / self.page, len);
-        len
-    }
-
-    /// A span of `len` bytes starting in page `p` went or shrank: the
-    /// leaf is looked at again if that span was its longest.
-    fn lost(&mut self, p: usize, len: usize) {
-        if len == self.tree[self.leaves + p] {
+    /// A span of `len` bytes starting in page `p` went (`now` `None`) or
+    /// shrank to `now` bytes: the leaf is looked at again if that span was
+    /// its longest, through the map only where other spans start there.
+    fn lost(&mut self, p: usize, len: usize, now: Option<usize>) {
+        if self.indexed && len == self.tree[self.leaves + p] {
+            let only = match (self.starts[p], now) {
+                (0, _) => Some(0),
+                (1, Some(now)) => Some(now),
+                _ => None,
+            };
+            if let Some(m) = only {
+                self.set_leaf(p, m);
+                return;
+            }
             let start = p * self.page;
             let m = self
                 .spans
@@ -189,20 +265,16 @@ impl Gaps {
         }
     }
 
-    /// The span at `old` becomes `[new, new + len)`, where no other span
-    /// starts between `old` and `new`: rewritten in place.
-    fn reshape(&mut self, old: usize, new: usize, len: usize) {
-        let slot = self.spans.rekey(&old, new).expect("span exists");
-        let was = std::mem::replace(slot, len);
-        self.reshaped(old, new, len, was);
-    }
-
     /// The leaves after the span of `was` bytes at `old` became `[new,
     /// new + len)` in the map.
     fn reshaped(&mut self, old: usize, new: usize, len: usize, was: usize) {
         let (po, pn) = (old / self.page, new / self.page);
-        if po != pn || len < was {
-            self.lost(po, was);
+        if po != pn {
+            self.count(po, false);
+            self.count(pn, true);
+            self.lost(po, was, None);
+        } else if len < was {
+            self.lost(po, was, Some(len));
         }
         if len > self.tree[self.leaves + pn] {
             self.set_leaf(pn, len);
@@ -213,6 +285,7 @@ impl Gaps {
     fn release(&mut self, off: usize, len: usize) {
         if let Some((o, l)) = self.clip(off, len) {
             self.release_in(o, l);
+            self.retune();
         }
     }
 
@@ -220,6 +293,7 @@ impl Gaps {
     fn occupy(&mut self, off: usize, len: usize) {
         if let Some((o, l)) = self.clip(off, len) {
             self.occupy_in(o, l);
+            self.retune();
         }
     }
 
@@ -227,8 +301,14 @@ impl Gaps {
         let (pos, left, right) = self.spans.touching(off, len);
         match (left, right) {
             (Some((lo, ll)), Some(rl)) => {
-                self.remove(off + len);
-                self.reshape(lo, lo, ll + len + rl);
+                // The left span grows over the right one, which goes: both
+                // rewritten where the search found them.
+                *self.spans.before_mut(pos).expect("left span") = ll + len + rl;
+                self.spans.remove_at_pos(pos);
+                let pr = (off + len) / self.page;
+                self.count(pr, false);
+                self.lost(pr, rl, None);
+                self.reshaped(lo, lo, ll + len + rl, ll);
             }
             (Some((lo, ll)), None) => {
                 *self.spans.before_mut(pos).expect("left span") = ll + len;
@@ -241,6 +321,7 @@ impl Gaps {
             (None, None) => {
                 self.spans.insert_at(pos, off, len);
                 let p = off / self.page;
+                self.count(p, true);
                 if len > self.tree[self.leaves + p] {
                     self.set_leaf(p, len);
                 }
@@ -272,7 +353,10 @@ impl Gaps {
                 self.reshaped(so, end, so + sl - end, sl);
             }
             (false, false) => {
-                self.remove(so);
+                self.spans.remove_before(pos);
+                let p = so / self.page;
+                self.count(p, false);
+                self.lost(p, sl, None);
             }
         }
     }
@@ -280,6 +364,7 @@ impl Gaps {
     /// The lowest page at or after `from` where a span of at least `len`
     /// bytes starts.
     fn first_page(&self, from: usize, len: usize) -> Option<usize> {
+        debug_assert!(self.indexed, "the tree is kept");
         if from >= self.leaves || self.tree[1] < len {
             return None;
         }
@@ -307,6 +392,29 @@ impl Gaps {
         }
         Some(i - self.leaves)
     }
+}
+
+/// The gaps' max-tree is kept while there are more spans than
+/// [`GAP_TREE_BELOW`] and built once there are more than this many; below,
+/// first fit walks the spans (the GPT-2 traces keep about 60).
+const GAP_TREE_ABOVE: usize = 256;
+
+/// See [`GAP_TREE_ABOVE`].
+const GAP_TREE_BELOW: usize = 32;
+
+/// A run's key by length: (length, start) in one integer, length in the
+/// high half, so that keys compare as the pairs would, in one comparison.
+type SizeKey = u128;
+const _: () = assert!(usize::BITS <= 64, "a length and a start fit in a u128");
+
+#[inline]
+fn size_key(len: usize, off: usize) -> SizeKey {
+    ((len as u128) << 64) | off as u128
+}
+
+#[inline]
+fn from_size_key(k: SizeKey) -> (usize, usize) {
+    ((k >> 64) as usize, k as u64 as usize)
 }
 
 /// When a free range may be reused.
@@ -390,7 +498,7 @@ pub(crate) struct Arena {
     /// to length, and by (length, start). A block may span several ranges
     /// of a run when each of them is usable by its stream.
     runs: OrdMap<usize, usize>,
-    by_size: OrdMap<(usize, usize), ()>,
+    by_size: OrdMap<SizeKey, ()>,
     /// Where best fit is used (see `set_best_fit_regions`).
     fit_regions: Vec<std::ops::Range<usize>>,
     holes: OrdMap<usize, usize>,
@@ -408,7 +516,7 @@ pub(crate) struct Arena {
     /// only at these, per stream, oldest first.
     pending: OrdMap<(u64, u64, usize), ()>,
     /// Reused by `settle` (no allocation per call).
-    settle_scratch: Vec<(usize, FreeRange, Guard)>,
+    settle_scratch: Vec<(usize, Guard, Guard)>,
     reserved: u64,
     reserved_high: u64,
     growths: u64,
@@ -728,29 +836,21 @@ impl Arena {
         }
     }
 
-    /// The run at `old` becomes `[new, new + len)`, where no other run
-    /// starts between `old` and `new`: rewritten in place by address.
-    fn run_reshape(&mut self, old: usize, new: usize, len: usize) {
-        let slot = self.runs.rekey(&old, new).expect("run exists");
-        let was = std::mem::replace(slot, len);
-        self.by_size.remove(&(was, old));
-        self.by_size.insert((len, new), ());
-    }
-
     /// The run of `was` bytes at `old` became `[new, new + len)` by
     /// address: its entry by length follows.
     fn run_resized(&mut self, old: usize, was: usize, new: usize, len: usize) {
-        self.by_size.remove(&(was, old));
-        self.by_size.insert((len, new), ());
+        self.by_size
+            .move_key(&size_key(was, old), size_key(len, new));
     }
 
     fn run_add_in(&mut self, off: usize, len: usize) {
         let (pos, left, right) = self.runs.touching(off, len);
         match (left, right) {
             (Some((lo, ll)), Some(rl)) => {
-                self.runs.remove(&(off + len));
-                self.by_size.remove(&(rl, off + len));
-                self.run_reshape(lo, lo, ll + len + rl);
+                *self.runs.before_mut(pos).expect("left run") = ll + len + rl;
+                self.runs.remove_at_pos(pos);
+                self.by_size.remove(&size_key(rl, off + len));
+                self.run_resized(lo, ll, lo, ll + len + rl);
             }
             (Some((lo, ll)), None) => {
                 *self.runs.before_mut(pos).expect("left run") = ll + len;
@@ -762,7 +862,7 @@ impl Arena {
             }
             (None, None) => {
                 self.runs.insert_at(pos, off, len);
-                self.by_size.insert((len, off), ());
+                self.by_size.insert(size_key(len, off), ());
             }
         }
     }
@@ -778,7 +878,7 @@ impl Arena {
                 *self.runs.before_mut(pos).expect("run") = off - ro;
                 self.run_resized(ro, rl, ro, off - ro);
                 self.runs.insert_at(pos, end, ro + rl - end);
-                self.by_size.insert((ro + rl - end, end), ());
+                self.by_size.insert(size_key(ro + rl - end, end), ());
             }
             (true, false) => {
                 *self.runs.before_mut(pos).expect("run") = off - ro;
@@ -789,8 +889,8 @@ impl Arena {
                 self.run_resized(ro, rl, end, ro + rl - end);
             }
             (false, false) => {
-                self.runs.remove(&ro);
-                self.by_size.remove(&(rl, ro));
+                self.runs.remove_before(pos);
+                self.by_size.remove(&size_key(rl, ro));
             }
         }
     }
@@ -839,12 +939,12 @@ impl Arena {
                 self.reindex_pending(ro, r.guard, off, g);
             }
             (Some((lo, l, _)), Some((ro, r, g))) => {
-                self.free.remove(&ro);
-                self.unindex_pending(ro, r.guard);
-                *self.free.get_mut(&lo).expect("left neighbour") = FreeRange {
+                *self.free.before_mut(pos).expect("left neighbour") = FreeRange {
                     len: l.len + len + r.len,
                     guard: g,
                 };
+                self.free.remove_at_pos(pos);
+                self.unindex_pending(ro, r.guard);
                 if l.guard != g {
                     self.unindex_pending(lo, l.guard);
                     self.index_pending(lo, g);
@@ -858,24 +958,53 @@ impl Arena {
     }
 
     fn add_users(&mut self, off: usize, len: usize) {
-        for p in self.page_span(off, len) {
-            debug_assert!(self.pages[p].active, "block on an inactive page");
-            if self.pages[p].users == 0 {
-                self.idle.remove(p);
+        let span = self.page_span(off, len);
+        let first = *span.start();
+        let Arena { pages, idle, .. } = self;
+        // The pages that stop being idle leave the set a word at a time.
+        let (mut word, mut mask) = (first / 64, 0u64);
+        for (p, slot) in (first..).zip(&mut pages[span]) {
+            debug_assert!(slot.active, "block on an inactive page");
+            if slot.users == 0 {
+                if p / 64 != word {
+                    idle.remove_word(word, mask);
+                    (word, mask) = (p / 64, 0);
+                }
+                mask |= 1 << (p % 64);
             }
-            self.pages[p].users += 1;
+            slot.users += 1;
         }
+        idle.remove_word(word, mask);
     }
 
     fn drop_users(&mut self, off: usize, len: usize) {
-        for p in self.page_span(off, len) {
-            self.pages[p].users -= 1;
-            if self.pages[p].users == 0 {
-                self.idle.insert(p);
-                self.idle_since[p] = self.idle_clock;
-                self.idle_clock += 1;
+        let span = self.page_span(off, len);
+        let first = *span.start();
+        let Arena {
+            pages,
+            idle,
+            idle_since,
+            idle_clock,
+            ..
+        } = self;
+        // The pages that fall idle join the set a word at a time.
+        let (mut word, mut mask) = (first / 64, 0u64);
+        for ((p, slot), since) in (first..)
+            .zip(&mut pages[span.clone()])
+            .zip(&mut idle_since[span])
+        {
+            slot.users -= 1;
+            if slot.users == 0 {
+                if p / 64 != word {
+                    idle.insert_word(word, mask);
+                    (word, mask) = (p / 64, 0);
+                }
+                mask |= 1 << (p % 64);
+                *since = *idle_clock;
+                *idle_clock += 1;
             }
         }
+        idle.insert_word(word, mask);
     }
 
     /// Hand out `[off, off+len)`, which must be covered by free ranges
@@ -906,7 +1035,8 @@ impl Arena {
                     self.free.rekey_before(pos, end).expect("range").len = o + old.len - end;
                     self.reindex_pending(o, old.guard, end, old.guard);
                 } else {
-                    self.remove_raw(o);
+                    self.free.remove_before(pos);
+                    self.unindex_pending(o, old.guard);
                 }
                 self.add_users(off, len);
                 return;
@@ -973,7 +1103,11 @@ impl Arena {
         let mut best: Option<(usize, u8)> = None;
         // The ranges of a run of several: (start, end, class).
         let mut comps: Vec<(usize, usize, Option<u8>)> = Vec::new();
-        for ((rlen, roff), _) in self.by_size.iter_from(&(len, 0)) {
+        for (rlen, roff) in self
+            .by_size
+            .iter_from(&size_key(len, 0))
+            .map(|(k, _)| from_size_key(k))
+        {
             let (lo, hi) = (roff.max(zone.start), (roff + rlen).min(zone.end));
             if lo >= hi || lo.next_multiple_of(align) + len > hi {
                 continue;
@@ -1070,8 +1204,9 @@ impl Arena {
         zone: &std::ops::Range<usize>,
     ) -> Option<usize> {
         self.by_size
-            .iter_from(&(len, 0))
-            .find_map(|((rlen, roff), _)| {
+            .iter_from(&size_key(len, 0))
+            .find_map(|(k, _)| {
+                let (rlen, roff) = from_size_key(k);
                 let (lo, hi) = (roff.max(zone.start), (roff + rlen).min(zone.end));
                 let off = lo.next_multiple_of(align);
                 (lo < hi && off + len <= hi).then_some(off)
@@ -1166,15 +1301,16 @@ impl Arena {
         &self,
         stream: u64,
         upgrade: &mut impl FnMut(Guard) -> Option<Guard>,
-        changed: &mut Vec<(usize, FreeRange, Guard)>,
+        changed: &mut Vec<(usize, Guard, Guard)>,
     ) {
         for ((_, epoch, off), _) in self
             .pending
             .iter_from(&(stream, 0, 0))
             .take_while(|(k, _)| k.0 == stream)
         {
-            match upgrade(Guard::After { stream, epoch }) {
-                Some(g) => changed.push((off, *self.free.get(&off).expect("indexed"), g)),
+            let was = Guard::After { stream, epoch };
+            match upgrade(was) {
+                Some(g) => changed.push((off, was, g)),
                 None => break,
             }
         }
@@ -1183,46 +1319,110 @@ impl Arena {
     /// Rewrite the guards collected by [`collect_settled`](Self::collect_settled).
     fn apply_settled(
         &mut self,
-        mut changed: Vec<(usize, FreeRange, Guard)>,
+        mut changed: Vec<(usize, Guard, Guard)>,
         mut upgrade: impl FnMut(Guard) -> Option<Guard>,
     ) {
         changed.sort_unstable_by_key(|c| c.0);
-        // Re-inserting a range merges it with both neighbours where the
-        // guards allow, so neighbours upgraded in any order end up merged.
-        // A range already merged into an earlier one (under its old
-        // guard) is looked up again and upgraded where it now lies.
-        for &(o, r, g) in &changed {
-            if self
-                .free
-                .get(&o)
-                .is_some_and(|cur| cur.len == r.len && cur.guard == r.guard)
-            {
-                self.remove_raw(o);
-                self.insert_free(o, r.len, g);
+        // Each range is upgraded where it lies and merged with both
+        // neighbours where the guards allow, so neighbours upgraded in any
+        // order end up merged. Ranges are visited by address: one still at
+        // its place is as it was collected (only a lower range, merging
+        // into it from the left, removes it). A range already merged into
+        // a lower one (under its old guard) is looked up again and
+        // upgraded where it now lies.
+        for &(o, was, g) in &changed {
+            let pos = self.free.lower_bound(&o);
+            if let Some((at, &cur)) = self.free.at(pos).filter(|&(at, _)| at == o) {
+                let g = if cur.guard == was {
+                    Some(g)
+                } else {
+                    upgrade(cur.guard)
+                };
+                if let Some(g) = g {
+                    self.upgrade_at(pos, at, cur, g);
+                }
                 continue;
             }
-            let Some((start, &cur)) = self.free.last_le(&o) else {
+            let Some((start, &cur)) = self.free.before(pos) else {
                 continue;
             };
             if start + cur.len <= o {
                 continue;
             }
             if let Some(g) = upgrade(cur.guard) {
-                self.remove_raw(start);
-                self.insert_free(start, cur.len, g);
+                let pos = self.free.lower_bound(&start);
+                self.upgrade_at(pos, start, cur, g);
             }
         }
         self.settle_scratch = changed;
+    }
+
+    /// The free range `r` at `o` (found at `pos`) takes guard `g` in place
+    /// and merges with its neighbours where the guards allow (the left one
+    /// first, then the right one under the merged guard): what removing it
+    /// and giving it back under `g` would do, with one search.
+    fn upgrade_at(&mut self, pos: Pos, o: usize, r: FreeRange, g: Guard) {
+        self.unindex_pending(o, r.guard);
+        let left = self
+            .free
+            .before(pos)
+            .filter(|&(lo, l)| lo + l.len == o)
+            .and_then(|(lo, &l)| l.guard.merge(g).map(|m| (lo, l, m)));
+        let after_left = left.map_or(g, |(_, _, m)| m);
+        let right = self
+            .free
+            .after(pos)
+            .filter(|&(ro, _)| ro == o + r.len)
+            .and_then(|(ro, &rr)| rr.guard.merge(after_left).map(|m| (ro, rr, m)));
+        match (left, right) {
+            (None, None) => {
+                self.free.at_mut(pos).expect("upgraded range").guard = g;
+                self.index_pending(o, g);
+            }
+            (Some((lo, l, m)), None) => {
+                *self.free.before_mut(pos).expect("left neighbour") = FreeRange {
+                    len: l.len + r.len,
+                    guard: m,
+                };
+                self.free.remove_at_pos(pos);
+                if l.guard != m {
+                    self.unindex_pending(lo, l.guard);
+                    self.index_pending(lo, m);
+                }
+            }
+            (None, Some((ro, rr, m))) => {
+                *self.free.at_mut(pos).expect("upgraded range") = FreeRange {
+                    len: r.len + rr.len,
+                    guard: m,
+                };
+                self.free.remove(&ro);
+                self.unindex_pending(ro, rr.guard);
+                self.index_pending(o, m);
+            }
+            (Some((lo, l, _)), Some((ro, rr, m))) => {
+                *self.free.before_mut(pos).expect("left neighbour") = FreeRange {
+                    len: l.len + r.len + rr.len,
+                    guard: m,
+                };
+                self.free.remove(&ro);
+                self.free.remove(&o);
+                self.unindex_pending(ro, rr.guard);
+                if l.guard != m {
+                    self.unindex_pending(lo, l.guard);
+                    self.index_pending(lo, m);
+                }
+            }
+        }
     }
 
     /// `settle` by a scan of every free range (the model the index is
     /// tested against).
     #[cfg(test)]
     fn settle_linear(&mut self, mut upgrade: impl FnMut(Guard) -> Option<Guard>) {
-        let changed: Vec<(usize, FreeRange, Guard)> = self
+        let changed: Vec<(usize, Guard, Guard)> = self
             .free
             .iter()
-            .filter_map(|(o, &r)| upgrade(r.guard).map(|g| (o, r, g)))
+            .filter_map(|(o, &r)| upgrade(r.guard).map(|g| (o, r.guard, g)))
             .collect();
         self.apply_settled(changed, upgrade);
     }
@@ -1398,7 +1598,22 @@ impl Arena {
             }
             from = zone.start + 1;
         }
-        // ...then the spans starting after it, lowest first, long enough.
+        // ...then the spans starting after it, lowest first, long enough:
+        // with few spans, one walk over them...
+        if !self.gaps.indexed {
+            for (o, &l) in self.gaps.spans.iter_from(&from) {
+                if o + len > zone.end {
+                    return None;
+                }
+                if l >= len {
+                    if let Some(s) = in_span(o, l) {
+                        return Some(s);
+                    }
+                }
+            }
+            return None;
+        }
+        // ...else through the tree.
         let page = self.page;
         let mut p = from / page;
         while let Some(q) = self.gaps.first_page(p, len) {
@@ -1700,6 +1915,15 @@ impl Arena {
                 }
             }
         }
+        // Adjacent free ranges are merged wherever their guards allow.
+        let ranges: Vec<(usize, FreeRange)> = self.free.iter().map(|(o, &r)| (o, r)).collect();
+        for w in ranges.windows(2) {
+            let ((a, ra), (b, rb)) = (w[0], w[1]);
+            assert!(
+                a + ra.len != b || ra.guard.merge(rb.guard).is_none(),
+                "free ranges at {a} and {b} are left unmerged"
+            );
+        }
         // The runs are the maximal unions of adjacent free ranges.
         let mut runs: Vec<(usize, usize)> = Vec::new();
         for (o, r) in self.free.iter() {
@@ -1734,7 +1958,14 @@ impl Arena {
                 .eq(gaps.iter().copied()),
             "gaps disagree with the free ranges and holes"
         );
-        for p in 0..self.gaps.leaves {
+        let n = self.gaps.spans.len();
+        assert!(
+            (n <= self.gaps.tree_above || self.gaps.indexed)
+                && (n >= self.gaps.tree_below || !self.gaps.indexed),
+            "gap tree kept for {n} spans: {}",
+            self.gaps.indexed
+        );
+        for p in (0..self.gaps.leaves).filter(|_| self.gaps.indexed) {
             let want = self
                 .gaps
                 .spans
@@ -1743,8 +1974,14 @@ impl Arena {
                 .max()
                 .unwrap_or(0);
             assert_eq!(self.gaps.tree[self.gaps.leaves + p], want, "leaf {p}");
+            let n = self
+                .gaps
+                .spans
+                .range(p * self.page, (p + 1) * self.page)
+                .count();
+            assert_eq!(self.gaps.starts[p] as usize, n, "span starts in page {p}");
         }
-        for i in 1..self.gaps.leaves {
+        for i in (1..self.gaps.leaves).filter(|_| self.gaps.indexed) {
             let t = &self.gaps.tree;
             assert_eq!(t[i], t[2 * i].max(t[2 * i + 1]), "node {i}");
         }
@@ -1771,7 +2008,10 @@ impl Arena {
         self.gaps.spans.check();
         assert_eq!(self.runs.len(), self.by_size.len());
         for (o, &l) in self.runs.iter() {
-            assert!(self.by_size.contains_key(&(l, o)), "by_size misses {o}");
+            assert!(
+                self.by_size.contains_key(&size_key(l, o)),
+                "by_size misses {o}"
+            );
         }
         for (i, phys) in self.phys.iter() {
             if let Some(p) = phys.owner {
@@ -1864,6 +2104,9 @@ mod tests {
     #[test]
     fn random_takes_gives_settles_and_moves_keep_the_invariants() {
         let mut a = arena_with_pages(8);
+        // The gap tree built and dropped as the spans come and go.
+        a.gaps.tree_above = 6;
+        a.gaps.tree_below = 3;
         let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
         let mut rnd = move |n: usize| {
             x ^= x << 13;
@@ -1943,6 +2186,10 @@ mod tests {
             // The index covers a part of the space; zones outside it take
             // the walk, zones inside it the index.
             a.set_first_fit_region(SMALL + 512..15 * SMALL);
+            // The gap tree comes and goes with a handful of spans, so that
+            // both the tree and the walk answer, and the switches between.
+            a.gaps.tree_above = 4;
+            a.gaps.tree_below = 2;
             for p in 0..6 {
                 let idx = a.phys.insert(PhysPage {
                     handle: Physical(p as u64),

@@ -50,7 +50,6 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
         Self::default()
     }
 
-    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.len
     }
@@ -138,17 +137,44 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
         self.rekey_entry(c, i, new)
     }
 
-    fn rekey_entry(&mut self, c: usize, i: usize, new: K) -> Option<&mut V> {
+    /// Whether key `new` would sit where the entry (chunk `c`, index `i`)
+    /// is: between its neighbours.
+    #[inline]
+    fn keeps_place(&self, c: usize, i: usize, new: &K) -> bool {
         let chunk = &self.chunks[c];
         let after_prev = match i.checked_sub(1) {
-            Some(j) => chunk[j].0 < new,
-            None => c == 0 || self.chunks[c - 1].last().is_some_and(|e| e.0 < new),
+            Some(j) => chunk[j].0 < *new,
+            None => c == 0 || self.chunks[c - 1].last().is_some_and(|e| e.0 < *new),
         };
-        let before_next = match chunk.get(i + 1) {
-            Some(e) => new < e.0,
-            None => self.firsts.get(c + 1).is_none_or(|f| new < *f),
+        after_prev
+            && match chunk.get(i + 1) {
+                Some(e) => *new < e.0,
+                None => self.firsts.get(c + 1).is_none_or(|f| *new < *f),
+            }
+    }
+
+    /// Move the entry of `old` to key `new`, wherever that is: rewritten
+    /// in place when no other key lies between the two (one search),
+    /// else removed and inserted again. Returns whether `old` had an entry
+    /// (nothing changes where it had none).
+    pub fn move_key(&mut self, old: &K, new: K) -> bool {
+        let Some((c, i)) = self.find(old) else {
+            return false;
         };
-        assert!(after_prev && before_next, "a new key keeps its place");
+        if self.keeps_place(c, i, &new) {
+            if i == 0 {
+                self.firsts[c] = new;
+            }
+            self.chunks[c][i].0 = new;
+        } else {
+            let (_, v) = self.remove_at(c, i);
+            self.insert(new, v);
+        }
+        true
+    }
+
+    fn rekey_entry(&mut self, c: usize, i: usize, new: K) -> Option<&mut V> {
+        assert!(self.keeps_place(c, i, &new), "a new key keeps its place");
         if i == 0 {
             self.firsts[c] = new;
         }
@@ -208,6 +234,36 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
         let (c, i) = self.entry_before(pos)?;
         let e = &self.chunks[c][i];
         Some((e.0, &e.1))
+    }
+
+    /// The value of the entry at `pos`, mutable.
+    #[inline]
+    pub fn at_mut(&mut self, pos: Pos) -> Option<&mut V> {
+        let (c, i) = self.entry_at(pos)?;
+        Some(&mut self.chunks[c][i].1)
+    }
+
+    /// The entry after the one at `pos`.
+    #[inline]
+    pub fn after(&self, pos: Pos) -> Option<(K, &V)> {
+        let (c, i) = self.entry_at(pos)?;
+        let e = match self.chunks[c].get(i + 1) {
+            Some(e) => e,
+            None => self.chunks.get(c + 1)?.first()?,
+        };
+        Some((e.0, &e.1))
+    }
+
+    /// Remove the entry at `pos` (no search); returns it.
+    pub fn remove_at_pos(&mut self, pos: Pos) -> Option<(K, V)> {
+        let (c, i) = self.entry_at(pos)?;
+        Some(self.remove_at(c, i))
+    }
+
+    /// Remove the entry before `pos` (no search); returns it.
+    pub fn remove_before(&mut self, pos: Pos) -> Option<(K, V)> {
+        let (c, i) = self.entry_before(pos)?;
+        Some(self.remove_at(c, i))
     }
 
     /// The value of the entry before `pos`, mutable.
@@ -526,6 +582,23 @@ mod tests {
             let pos = map.lower_bound(&q);
             assert_eq!(mine(map.at(pos)), kv(model.range(q..).next()));
             assert_eq!(mine(map.before(pos)), kv(model.range(..q).next_back()));
+            assert_eq!(mine(map.after(pos)), kv(model.range(q..).nth(1)));
+            if step % 7 == 4 {
+                if let Some(v) = map.at_mut(pos) {
+                    *v += 5;
+                    *model.range_mut(q..).next().unwrap().1 += 5;
+                }
+            } else if step % 7 == 6 && !grow {
+                let mine = map.remove_at_pos(pos);
+                let first = model.range(q..).next().map(|(&k, _)| k);
+                assert_eq!(mine, first.map(|k| (k, model.remove(&k).unwrap())));
+                continue;
+            } else if step % 7 == 5 && !grow {
+                let mine = map.remove_before(pos);
+                let last = model.range(..q).next_back().map(|(&k, _)| k);
+                assert_eq!(mine, last.map(|k| (k, model.remove(&k).unwrap())));
+                continue;
+            }
             if step % 5 == 0 && !model.contains_key(&q) {
                 map.insert_at(pos, q, step);
                 model.insert(q, step);
@@ -554,6 +627,16 @@ mod tests {
                         assert_eq!(v, Some(m));
                     }
                 }
+            }
+            // Move a key anywhere free.
+            if step % 11 == 3 {
+                let to = (rnd() % 2_000) as u32;
+                if let Some((k, _)) = map.last_le(&q).filter(|_| !model.contains_key(&to)) {
+                    assert!(map.move_key(&k, to));
+                    let m = model.remove(&k).unwrap();
+                    model.insert(to, m);
+                }
+                assert!(!map.move_key(&5_000, 5_001));
             }
             // Move a key up to just below the next one, or down to just
             // above the previous one.
