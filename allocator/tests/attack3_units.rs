@@ -105,6 +105,9 @@ fn run(cfg: &Cfg) -> Outcome {
     let ss = streams(&*dev, 3);
     // ss[2] is held busy at times; frees on it stay pending meanwhile.
     let mut blocker: Option<Blocker> = None;
+    // Says when ss[2] has reached its hold: its work from before the hold
+    // is then done, events recorded on it before the hold included.
+    let mut reached: Option<std::sync::mpsc::Receiver<()>> = None;
     let mut rng = XorShift64::new(cfg.seed);
     let mut live: Vec<Live> = Vec::new();
     let mut out = Outcome::default();
@@ -133,6 +136,12 @@ fn run(cfg: &Cfg) -> Outcome {
                 Err(PoolError::OutOfMemory(_)) => {
                     out.ooms += 1;
                     sync_free(&pool, blocker.is_some());
+                    // The held stream's work from before its hold is done
+                    // too, so that what the pool can learn of it does not
+                    // change between the request and the trim below.
+                    if let Some(rx) = reached.take() {
+                        rx.recv().expect("the held stream reaches its hold");
+                    }
                     match pool.alloc_async(size, s) {
                         Ok(a) => a,
                         Err(PoolError::OutOfMemory(_)) => {
@@ -224,8 +233,22 @@ fn run(cfg: &Cfg) -> Outcome {
             pool.free_async(l.a, fs).unwrap();
         } else if r < 90 {
             match blocker.take() {
-                Some(mut b) => b.release(),
-                None => blocker = Some(Blocker::on(&*dev, ss[2])),
+                Some(mut b) => {
+                    b.release();
+                    reached = None;
+                }
+                None => {
+                    let (tx, rx) = std::sync::mpsc::channel();
+                    dev.launch_host(
+                        ss[2],
+                        Box::new(move || {
+                            let _ = tx.send(());
+                        }),
+                    )
+                    .unwrap();
+                    reached = Some(rx);
+                    blocker = Some(Blocker::on(&*dev, ss[2]));
+                }
             }
         } else if r < 95 {
             let target = (rng.below(5) * 8 * MIB as u64).min(40 * MIB as u64);
