@@ -89,7 +89,7 @@ impl<D: Device> Pages<'_, D> {
         {
             // Earlier tries may have brought ghosts back or moved pages,
             // so the ranking's count of pages to activate may be stale.
-            match self.map_at(st, len, start, None) {
+            match self.map_at(st, len, start, None, true) {
                 Ok(off) => return Ok(off),
                 Err(MapFailure::Device(e)) => return Err(MapFailure::Device(e)),
                 Err(_) => {}
@@ -130,18 +130,21 @@ impl<D: Device> Pages<'_, D> {
             hole_window(st, len, &st.zone(len), me, clock, reuse)
         };
         let (_, need, start) = best.ok_or(MapFailure::NoWindow)?;
-        self.map_at(st, len, start, Some(need))
+        self.map_at(st, len, start, Some(need), false)
     }
 
     /// Map the unmapped pages of the window `[start, start + len)` (`need`
     /// of them, when known) and hand out the block; on failure nothing is
     /// created and the pages gathered stay the pool's (as spare pages).
+    /// `loosen`: free units that lie across an edge of the window are taken
+    /// off it too (see [`take_off_edge_units`]), for when memory is short.
     fn map_at(
         &self,
         st: &mut State<'_>,
         len: usize,
         start: usize,
         need: Option<usize>,
+        loosen: bool,
     ) -> Result<usize, MapFailure> {
         let page = st.arena.page();
         let end = start + len;
@@ -164,6 +167,20 @@ impl<D: Device> Pages<'_, D> {
         if singles {
             rebind_singles(st, &targets, &block_pages, &mut rest);
         }
+        // A unit may have ghosts both inside the window and across its
+        // edge: it comes back to one of them only, so ghosts wholly inside
+        // the window come back first (the one across the edge would serve
+        // only part of its pages here, and keep the unit from the others).
+        for &p in targets.iter().filter(|_| !singles) {
+            if st.arena.is_active(p) || !ghost_inside(st, p, &block_pages) {
+                continue;
+            }
+            if let Some(phys) = st.arena.mapping_at(p) {
+                if ghost_available(st, p) && phys_movable(st, phys, &block_pages) {
+                    rebind_unit(st, p, phys);
+                }
+            }
+        }
         for &p in targets.iter().filter(|_| !singles) {
             if st.arena.is_active(p) {
                 // Came back with its unit.
@@ -171,17 +188,13 @@ impl<D: Device> Pages<'_, D> {
             }
             match st.arena.mapping_at(p) {
                 Some(phys) if ghost_available(st, p) && phys_movable(st, phys, &block_pages) => {
-                    if let Some(owner) = st.arena.owner(phys) {
-                        st.arena.deactivate(owner);
-                    } else {
-                        st.arena.unspare(phys);
-                    }
-                    let base = st.arena.mapping_base(p).expect("a ghost has a first page");
-                    st.arena.activate(base, phys);
-                    st.arena.count_rebind();
+                    rebind_unit(st, p, phys);
                 }
                 _ => rest.push(p),
             }
+        }
+        if loosen {
+            take_off_edge_units(st, &block_pages, &mut rest);
         }
         rest.retain(|&p| !st.arena.is_active(p));
         let unit_max = if len >= self.config.unit_min_block {
@@ -625,6 +638,68 @@ fn rebind_singles(
             st.arena.count_rebind();
         }
     }
+}
+
+/// Free units active across an edge of the block's pages `block` (part
+/// of the unit inside, part outside) become spare, and their pages inside
+/// the block join the hole pages `rest` (kept in address order). Used in
+/// place, such a unit holds its pages outside the block for nothing while
+/// the block may need growth past the cap or the device; spare, it can
+/// move whole into a run of the block's hole pages, or be released to make
+/// room for growth, and the block's pages it covered are filled like any
+/// other hole.
+fn take_off_edge_units(
+    st: &mut State<'_>,
+    block: &std::ops::RangeInclusive<usize>,
+    rest: &mut Vec<usize>,
+) {
+    let mut units: Vec<usize> = Vec::new();
+    for p in block.clone() {
+        let Some(phys) = st.arena.mapping_at(p).filter(|_| st.arena.is_active(p)) else {
+            continue;
+        };
+        let k = st.arena.unit_pages(phys);
+        let Some(o) = st.arena.owner(phys) else {
+            continue;
+        };
+        if k > 1
+            && !(block.contains(&o) && block.contains(&(o + k - 1)))
+            && !units.contains(&phys)
+            && st.unit_free(phys)
+        {
+            units.push(phys);
+        }
+    }
+    for phys in units {
+        let o = st.arena.owner(phys).expect("active");
+        let k = st.arena.unit_pages(phys);
+        st.arena.deactivate(o);
+        st.arena.push_spare(phys);
+        rest.extend((o..o + k).filter(|q| block.contains(q)));
+    }
+    rest.sort_unstable();
+}
+
+/// Whether the ghost mapping at hole page `p` lies wholly inside the
+/// block's pages `block`.
+fn ghost_inside(st: &State<'_>, p: usize, block: &std::ops::RangeInclusive<usize>) -> bool {
+    let (Some(base), Some(phys)) = (st.arena.mapping_base(p), st.arena.mapping_at(p)) else {
+        return false;
+    };
+    block.contains(&base) && block.contains(&(base + st.arena.unit_pages(phys) - 1))
+}
+
+/// Bring back physical unit `phys` (free where it is, or spare) at its
+/// ghost mapping over hole page `p`: all of that mapping's pages.
+fn rebind_unit(st: &mut State<'_>, p: usize, phys: usize) {
+    if let Some(owner) = st.arena.owner(phys) {
+        st.arena.deactivate(owner);
+    } else {
+        st.arena.unspare(phys);
+    }
+    let base = st.arena.mapping_base(p).expect("a ghost has a first page");
+    st.arena.activate(base, phys);
+    st.arena.count_rebind();
 }
 
 /// Where the physical memory for a block's hole pages comes from (see

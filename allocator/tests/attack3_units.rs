@@ -539,6 +539,81 @@ fn pinned_pages_and_free_units(capacity: usize, max_size: Option<u64>) {
     }
 }
 
+/// A free unit across the edge of the only windows left (shrunk from the
+/// sweep below, one stream). Units of four pages, a cap of 18 MiB (nine
+/// pages), all held: a small block on a page of its own, a unit under a
+/// block of 1 MiB on its first page (its other three pages pinned: the
+/// documented cost of units), a hole, then a unit of four pages wholly
+/// free and complete. A request of 10 MiB laid right after the small
+/// block covers the pinned pages, the hole and the first page of the free
+/// unit: used in place, that unit keeps its three other pages outside the
+/// block, and the hole needs a page past the cap; every other window needs
+/// growth too. Failed with out-of-memory, then succeeded after
+/// `trim_to(0)` released the free unit. The pool now takes such a unit
+/// off the window's edge (spare: it moves whole into a run of the
+/// window's holes, or is released to make room for growth).
+#[test]
+fn a_free_unit_across_the_windows_edge_is_released_for_growth() {
+    let dev = Arc::new(host_with_capacity(64 * MIB));
+    let pool = MemPool::new(
+        dev.clone(),
+        PoolConfig::default()
+            .with_va_size(1 << 30)
+            .with_max_unit_size(8 * MIB)
+            .with_unit_min_block(4 * MIB)
+            .with_max_size(18 * MIB as u64),
+    )
+    .unwrap();
+    let s = dev.create_stream().unwrap();
+    let step = |a: Allocation| {
+        pool.free_async(a, s).unwrap();
+        pool.synchronize().unwrap();
+    };
+    // A unit, a single page above it, a unit above that.
+    let a = pool.alloc_async(8 * MIB, s).unwrap();
+    let b = pool.alloc_async(2 * MIB, s).unwrap();
+    let c = pool.alloc_async(8 * MIB, s).unwrap();
+    assert_eq!(b.ptr(), a.ptr() + 8 * MIB as u64, "the single page on top");
+    assert_eq!(c.ptr(), b.ptr() + 2 * MIB as u64, "the second unit on top");
+    // The single page goes back to the device: a hole between the units.
+    step(b);
+    assert_eq!(pool.trim_to(0).unwrap(), 2 * MIB as u64);
+    let small = pool.alloc_async(64 << 10, s).unwrap();
+    step(a);
+    let x = pool.alloc_async(MIB, s).unwrap();
+    assert_eq!(x.ptr(), c.ptr() - 10 * MIB as u64, "on the first unit");
+    step(c);
+    let st = pool.stats();
+    assert_eq!(
+        st.reserved_current,
+        18 * MIB as u64,
+        "the set-up holds the cap"
+    );
+    assert_eq!(dev.live_handles(), 3, "two units and a single page");
+    const REQ: usize = 10 * MIB;
+    let first = pool.alloc_async(REQ, s);
+    let released = pool.trim_to(0).unwrap();
+    let again = pool.alloc_async(REQ, s);
+    let verdict = match (&first, &again) {
+        (Err(e), Ok(_)) => Some(format!(
+            "{REQ} B failed with 18 MiB held of 18 MiB ({e}), then succeeded after \
+             trim_to(0) released {released} B of free memory"
+        )),
+        _ => None,
+    };
+    let ok = first.is_ok();
+    for y in [first, again].into_iter().flatten() {
+        step(y);
+    }
+    step(x);
+    step(small);
+    assert_eq!(pool.stats().used_current, 0);
+    if let Some(v) = verdict {
+        panic!("false out-of-memory: {v}");
+    }
+    assert!(ok, "{REQ} B under the cap with a free unit of 8 MiB held");
+}
+
 /// Two pools on one device of 48 MiB. The second pool holds free,
 /// complete memory (in units, or single pages) and one small block; the
 /// first pool's request of 36 MiB runs the device out of
