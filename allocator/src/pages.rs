@@ -719,3 +719,64 @@ struct Plan {
     /// Runs of target pages that growth fills: (first, count).
     missing: Vec<(usize, usize)>,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::arena::Arena;
+    use crate::sync::{lock, Mutex};
+    use tidepool_sys::{HostConfig, HostDevice};
+
+    /// A unit whose ghosts lie across the start of a window and wholly
+    /// inside it, free where it is active: it comes back inside the
+    /// window, and the window needs three new pages, not four. Brought
+    /// back across the edge (the first target page by address), it served
+    /// one page of the window and could not serve the inside ghost's two
+    /// pages: with the cap at the three pages, the request failed (the
+    /// shape of a false out-of-memory the units sweep of
+    /// `attack3_units.rs` met on a full device).
+    #[test]
+    fn a_unit_comes_back_to_its_ghost_inside_the_window_first() {
+        let page = 2 << 20;
+        let dev = HostDevice::with_config(HostConfig {
+            capacity: 64 << 20,
+            granularity: page,
+        });
+        let va = 64 * page;
+        let base = dev.reserve_va(va, page).unwrap();
+        let config = PoolConfig::default()
+            .with_max_unit_size(2 * page)
+            .with_unit_min_block(2 * page)
+            .with_max_size(5 * page as u64);
+        let share = ShareState::new(crate::share_state::initial_access(&dev, &[]).unwrap());
+        let pages = Pages {
+            pool: 0,
+            device: &dev,
+            base,
+            config: &config,
+            share: &share,
+        };
+        let state = Mutex::new(ArenaState::new(Arena::new(va, page)));
+        let mut st = lock(&state);
+        let opts = PhysicalOptions { exportable: false };
+        let g = st
+            .arena
+            .add_unit(dev.create_physical(2 * page, opts).unwrap(), 2);
+        // Mapped at pages 10-11, then 14-15, then active at 20-21 (free).
+        pages.bind(&mut st, 10, g).unwrap();
+        st.arena.deactivate(10);
+        pages.bind(&mut st, 14, g).unwrap();
+        st.arena.deactivate(14);
+        pages.bind(&mut st, 20, g).unwrap();
+        assert_eq!(st.arena.mappings(g), &[10, 14, 20]);
+        // A block over pages 11-15: the ghost at 10 lies across its start.
+        let got = pages.map_at(&mut st, 5 * page, 11 * page, None, false);
+        assert!(got.is_ok(), "five pages under a cap of five failed");
+        assert_eq!(st.arena.owner(g), Some(14), "the unit came back inside");
+        assert_eq!(st.arena.reserved(), 5 * page as u64);
+        assert_eq!(st.arena.rebinds(), 1);
+        pages.unmap_all(&mut st);
+        drop(st);
+        dev.free_va(base, va).unwrap();
+    }
+}
