@@ -89,7 +89,7 @@ impl<D: Device> Pages<'_, D> {
         {
             // Earlier tries may have brought ghosts back or moved pages,
             // so the ranking's count of pages to activate may be stale.
-            match self.map_at(st, len, start, None) {
+            match self.map_at(st, len, start, None, true) {
                 Ok(off) => return Ok(off),
                 Err(MapFailure::Device(e)) => return Err(MapFailure::Device(e)),
                 Err(_) => {}
@@ -130,18 +130,21 @@ impl<D: Device> Pages<'_, D> {
             hole_window(st, len, &st.zone(len), me, clock, reuse)
         };
         let (_, need, start) = best.ok_or(MapFailure::NoWindow)?;
-        self.map_at(st, len, start, Some(need))
+        self.map_at(st, len, start, Some(need), false)
     }
 
     /// Map the unmapped pages of the window `[start, start + len)` (`need`
     /// of them, when known) and hand out the block; on failure nothing is
     /// created and the pages gathered stay the pool's (as spare pages).
+    /// `loosen`: free units that lie across an edge of the window are taken
+    /// off it too (see [`take_off_edge_units`]), for when memory is short.
     fn map_at(
         &self,
         st: &mut State<'_>,
         len: usize,
         start: usize,
         need: Option<usize>,
+        loosen: bool,
     ) -> Result<usize, MapFailure> {
         let page = st.arena.page();
         let end = start + len;
@@ -164,6 +167,20 @@ impl<D: Device> Pages<'_, D> {
         if singles {
             rebind_singles(st, &targets, &block_pages, &mut rest);
         }
+        // A unit may have ghosts both inside the window and across its
+        // edge: it comes back to one of them only, so ghosts wholly inside
+        // the window come back first (the one across the edge would serve
+        // only part of its pages here, and keep the unit from the others).
+        for &p in targets.iter().filter(|_| !singles) {
+            if st.arena.is_active(p) || !ghost_inside(st, p, &block_pages) {
+                continue;
+            }
+            if let Some(phys) = st.arena.mapping_at(p) {
+                if ghost_available(st, p) && phys_movable(st, phys, &block_pages) {
+                    rebind_unit(st, p, phys);
+                }
+            }
+        }
         for &p in targets.iter().filter(|_| !singles) {
             if st.arena.is_active(p) {
                 // Came back with its unit.
@@ -171,17 +188,13 @@ impl<D: Device> Pages<'_, D> {
             }
             match st.arena.mapping_at(p) {
                 Some(phys) if ghost_available(st, p) && phys_movable(st, phys, &block_pages) => {
-                    if let Some(owner) = st.arena.owner(phys) {
-                        st.arena.deactivate(owner);
-                    } else {
-                        st.arena.unspare(phys);
-                    }
-                    let base = st.arena.mapping_base(p).expect("a ghost has a first page");
-                    st.arena.activate(base, phys);
-                    st.arena.count_rebind();
+                    rebind_unit(st, p, phys);
                 }
                 _ => rest.push(p),
             }
+        }
+        if loosen {
+            take_off_edge_units(st, &block_pages, &mut rest);
         }
         rest.retain(|&p| !st.arena.is_active(p));
         let unit_max = if len >= self.config.unit_min_block {
@@ -627,6 +640,68 @@ fn rebind_singles(
     }
 }
 
+/// Free units active across an edge of the block's pages `block` (part
+/// of the unit inside, part outside) become spare, and their pages inside
+/// the block join the hole pages `rest` (kept in address order). Used in
+/// place, such a unit holds its pages outside the block for nothing while
+/// the block may need growth past the cap or the device; spare, it can
+/// move whole into a run of the block's hole pages, or be released to make
+/// room for growth, and the block's pages it covered are filled like any
+/// other hole.
+fn take_off_edge_units(
+    st: &mut State<'_>,
+    block: &std::ops::RangeInclusive<usize>,
+    rest: &mut Vec<usize>,
+) {
+    let mut units: Vec<usize> = Vec::new();
+    for p in block.clone() {
+        let Some(phys) = st.arena.mapping_at(p).filter(|_| st.arena.is_active(p)) else {
+            continue;
+        };
+        let k = st.arena.unit_pages(phys);
+        let Some(o) = st.arena.owner(phys) else {
+            continue;
+        };
+        if k > 1
+            && !(block.contains(&o) && block.contains(&(o + k - 1)))
+            && !units.contains(&phys)
+            && st.unit_free(phys)
+        {
+            units.push(phys);
+        }
+    }
+    for phys in units {
+        let o = st.arena.owner(phys).expect("active");
+        let k = st.arena.unit_pages(phys);
+        st.arena.deactivate(o);
+        st.arena.push_spare(phys);
+        rest.extend((o..o + k).filter(|q| block.contains(q)));
+    }
+    rest.sort_unstable();
+}
+
+/// Whether the ghost mapping at hole page `p` lies wholly inside the
+/// block's pages `block`.
+fn ghost_inside(st: &State<'_>, p: usize, block: &std::ops::RangeInclusive<usize>) -> bool {
+    let (Some(base), Some(phys)) = (st.arena.mapping_base(p), st.arena.mapping_at(p)) else {
+        return false;
+    };
+    block.contains(&base) && block.contains(&(base + st.arena.unit_pages(phys) - 1))
+}
+
+/// Bring back physical unit `phys` (free where it is, or spare) at its
+/// ghost mapping over hole page `p`: all of that mapping's pages.
+fn rebind_unit(st: &mut State<'_>, p: usize, phys: usize) {
+    if let Some(owner) = st.arena.owner(phys) {
+        st.arena.deactivate(owner);
+    } else {
+        st.arena.unspare(phys);
+    }
+    let base = st.arena.mapping_base(p).expect("a ghost has a first page");
+    st.arena.activate(base, phys);
+    st.arena.count_rebind();
+}
+
 /// Where the physical memory for a block's hole pages comes from (see
 /// [`Pages::plan`]).
 #[derive(Default)]
@@ -643,4 +718,65 @@ struct Plan {
     release: Vec<usize>,
     /// Runs of target pages that growth fills: (first, count).
     missing: Vec<(usize, usize)>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::arena::Arena;
+    use crate::sync::{lock, Mutex};
+    use tidepool_sys::{HostConfig, HostDevice};
+
+    /// A unit whose ghosts lie across the start of a window and wholly
+    /// inside it, free where it is active: it comes back inside the
+    /// window, and the window needs three new pages, not four. Brought
+    /// back across the edge (the first target page by address), it served
+    /// one page of the window and could not serve the inside ghost's two
+    /// pages: with the cap at the three pages, the request failed (the
+    /// shape of a false out-of-memory the units sweep of
+    /// `attack3_units.rs` met on a full device).
+    #[test]
+    fn a_unit_comes_back_to_its_ghost_inside_the_window_first() {
+        let page = 2 << 20;
+        let dev = HostDevice::with_config(HostConfig {
+            capacity: 64 << 20,
+            granularity: page,
+        });
+        let va = 64 * page;
+        let base = dev.reserve_va(va, page).unwrap();
+        let config = PoolConfig::default()
+            .with_max_unit_size(2 * page)
+            .with_unit_min_block(2 * page)
+            .with_max_size(5 * page as u64);
+        let share = ShareState::new(crate::share_state::initial_access(&dev, &[]).unwrap());
+        let pages = Pages {
+            pool: 0,
+            device: &dev,
+            base,
+            config: &config,
+            share: &share,
+        };
+        let state = Mutex::new(ArenaState::new(Arena::new(va, page)));
+        let mut st = lock(&state);
+        let opts = PhysicalOptions { exportable: false };
+        let g = st
+            .arena
+            .add_unit(dev.create_physical(2 * page, opts).unwrap(), 2);
+        // Mapped at pages 10-11, then 14-15, then active at 20-21 (free).
+        pages.bind(&mut st, 10, g).unwrap();
+        st.arena.deactivate(10);
+        pages.bind(&mut st, 14, g).unwrap();
+        st.arena.deactivate(14);
+        pages.bind(&mut st, 20, g).unwrap();
+        assert_eq!(st.arena.mappings(g), &[10, 14, 20]);
+        // A block over pages 11-15: the ghost at 10 lies across its start.
+        let got = pages.map_at(&mut st, 5 * page, 11 * page, None, false);
+        assert!(got.is_ok(), "five pages under a cap of five failed");
+        assert_eq!(st.arena.owner(g), Some(14), "the unit came back inside");
+        assert_eq!(st.arena.reserved(), 5 * page as u64);
+        assert_eq!(st.arena.rebinds(), 1);
+        pages.unmap_all(&mut st);
+        drop(st);
+        dev.free_va(base, va).unwrap();
+    }
 }
