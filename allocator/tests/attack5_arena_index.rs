@@ -4,7 +4,8 @@
 //! few to many (the gap tree is built) and back to few (it is dropped),
 //! several times; frees of several streams pending side by side and then
 //! completed (their guards upgraded in place and merged); a capped pool
-//! where only one gap holds a request; trims while frees are pending.
+//! where only one gap holds a request; trims while frees are pending;
+//! pages of 32 MiB, where many gaps start in one page of the gap tree.
 //!
 //! docs/design.md promises that medium and big requests take the lowest
 //! window of their zone holding no block in use and no free range the
@@ -68,6 +69,8 @@ struct Harness {
     next_tag: u32,
     checked: usize,
     seed: u64,
+    /// The pool's page: big blocks start on one.
+    page: usize,
 }
 
 fn span(size: usize) -> usize {
@@ -76,14 +79,19 @@ fn span(size: usize) -> usize {
 
 impl Harness {
     fn new(seed: u64, va: usize, cfg: PoolConfig, capacity: usize) -> Harness {
+        Harness::paged(seed, va, cfg, capacity, PAGE)
+    }
+
+    /// A pool of pages of `page` bytes (the device's granularity too).
+    fn paged(seed: u64, va: usize, cfg: PoolConfig, capacity: usize, page: usize) -> Harness {
         let dev = Arc::new(HostDevice::with_config(HostConfig {
             capacity,
-            granularity: PAGE,
+            granularity: page,
         }));
         let pool = MemPool::new(
             dev.clone(),
             cfg.with_va_size(va)
-                .with_page_size(PAGE)
+                .with_page_size(page)
                 .with_stream_cache_bytes(0),
         )
         .expect("pool");
@@ -97,6 +105,7 @@ impl Harness {
             next_tag: (seed as u32).wrapping_mul(0x9E37_79B9) | 1,
             checked: 0,
             seed,
+            page,
         }
     }
 
@@ -116,7 +125,7 @@ impl Harness {
         if (MIB..16 * MIB).contains(&size) {
             Some((self.base + q, self.base + 2 * q, 1))
         } else if (16 * MIB..256 * MIB).contains(&size) {
-            Some((self.base + 2 * q, self.base + 3 * q, PAGE as u64))
+            Some((self.base + 2 * q, self.base + 3 * q, self.page as u64))
         } else {
             None
         }
@@ -309,8 +318,8 @@ impl Harness {
 /// gaps become many: the tree is built), churn, drain to a few blocks (the
 /// tree is dropped), churn with few gaps; three times over. Every medium
 /// and big placement is checked against the model.
-fn tree_cycles(seed: u64) -> usize {
-    let mut h = Harness::new(seed, 4 << 30, PoolConfig::default(), 4 << 30);
+fn tree_cycles(seed: u64, page: usize) -> usize {
+    let mut h = Harness::paged(seed, 4 << 30, PoolConfig::default(), 4 << 30, page);
     let s = h.dev.create_stream().unwrap();
     h.find_base(s);
     let mut rng = Rng(seed.wrapping_mul(0x2545_F491_4F6C_DD1D) | 1);
@@ -379,9 +388,79 @@ fn tree_cycles(seed: u64) -> usize {
 #[test]
 fn first_fit_holds_while_the_gap_tree_is_built_and_dropped_repeatedly() {
     for seed in [1, 2, 3] {
-        let checked = tree_cycles(seed);
+        let checked = tree_cycles(seed, PAGE);
         assert!(checked > 2500, "seed {seed}: {checked} placements checked");
     }
+}
+
+/// Pages of 32 MiB: many gaps of a MiB and more start in one page, so a
+/// page's leaf in the gap tree stands for several of them (with 2 MiB
+/// pages, two gaps that hold a medium block never start in one page).
+const WIDE: usize = 32 * MIB;
+
+#[test]
+fn first_fit_holds_with_many_gaps_starting_in_one_page() {
+    for seed in [1, 3] {
+        let checked = tree_cycles(seed, WIDE);
+        assert!(checked > 2500, "seed {seed}: {checked} placements checked");
+    }
+}
+
+/// Pages of 32 MiB, the gap tree kept (about 290 gaps of 1 MiB higher up
+/// in the medium zone), and three layouts built on purpose, each request
+/// checked against the model:
+/// - page 0 of the medium zone holds two gaps, 8 MiB then 6 MiB. 4 MiB
+///   cut from the first leaves 4 MiB there: the page's longest gap is
+///   still the second (6 MiB), so 5 MiB lands there, not in the zone's
+///   tail. Then the 4 MiB left of the first gap is taken whole: the
+///   1 MiB left of the second is still in the page's leaf, and 1 MiB
+///   lands there, not on the gaps higher up.
+/// - the big zone holds 16 MiB blocks, one per page, each followed by a
+///   16 MiB gap that starts mid-page and so holds no page-aligned 16 MiB
+///   window; one block freed leaves a gap starting in the page after the
+///   first such gap with a window on the next page: 16 MiB lands there.
+#[test]
+fn gap_tree_leaves_of_wide_pages_and_the_page_after_a_misfit() {
+    let mut h = Harness::paged(31, 4 << 30, PoolConfig::default(), 4 << 30, WIDE);
+    let s = h.dev.create_stream().unwrap();
+    h.find_base(s);
+    let step = std::cell::Cell::new(0);
+    let alloc = |h: &mut Harness, size: usize| {
+        step.set(step.get() + 1);
+        h.alloc(size, s, step.get())
+    };
+    // 640 blocks of 1 MiB: pages 0 to 19 of the medium zone, packed.
+    let zone = h.base + h.va / 4;
+    for i in 0..640u64 {
+        assert_eq!(alloc(&mut h, MIB), zone + i * MIB as u64, "packed fill");
+    }
+    let at = |i: u64| zone + i * MIB as u64;
+    // Every other block from page 2 on: the gaps become many, the tree is built.
+    for i in (65..640).step_by(2) {
+        h.free(at(i), s, false, step.get());
+    }
+    assert!(h.gaps(MIB).len() > 256, "the tree is built");
+    // Page 0: gaps of 8 MiB at 2 MiB and of 6 MiB at 14 MiB.
+    for i in (2..10).chain(14..20) {
+        h.free(at(i), s, false, step.get());
+    }
+    assert_eq!(alloc(&mut h, 4 * MIB), at(2));
+    assert_eq!(alloc(&mut h, 5 * MIB), at(14), "the 6 MiB gap of page 0");
+    assert_eq!(alloc(&mut h, 4 * MIB), at(6));
+    assert_eq!(alloc(&mut h, MIB), at(19), "the 1 MiB gap left in page 0");
+    // The big zone: 16 MiB blocks on pages 0 to 9, each leaving a 16 MiB
+    // gap after it that holds no page-aligned window.
+    let big = h.base + 2 * (h.va / 4);
+    let page = |k: u64| big + k * WIDE as u64;
+    for k in 0..10 {
+        assert_eq!(alloc(&mut h, 16 * MIB), page(k), "one big block a page");
+    }
+    // Free the block on page 2: a gap from the middle of page 1 to the
+    // middle of page 3, whose only aligned window is page 2.
+    h.free(page(2), s, false, step.get());
+    assert_eq!(alloc(&mut h, 16 * MIB), page(2), "the page after a misfit");
+    assert!(h.gaps(MIB).len() > 256, "the tree is still kept");
+    h.finish(s);
 }
 
 /// Streams A (the requester), B and C (held busy). Blocks of A are freed
