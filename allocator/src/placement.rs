@@ -248,12 +248,15 @@ pub(crate) fn best_window(
 
 /// How many binds a ghost mapping unmapped by a bind of a huge block
 /// weighs in [`best_window`], besides the bind itself. Measured on the
-/// GPT-2 traces (host backend, gpt2-fixed's warm passes 2 / 3 / 4 and
-/// gpt2-varlen's): 0 gives 311 / 1089 / 624 and 8 / 2 / 2; 3 gives
-/// 472 / 264 / 259 and 8 / 0 / 0; 7 gives 931 / 390 / 396; 8 gives
-/// 476 / 78 / 78 and 14 / 0 / 0; 10 to 13 give 519 / 78 / 78 and
-/// 14 / 0 / 0; from 14 on gpt2-varlen's second pass binds 513, and from
-/// 24 on gpt2-fixed's passes swing between a few dozen and thousands.
+/// GPT-2 traces (host backend, 8 mappings a page; binds of gpt2-fixed's
+/// warm passes 2 / 3 / 4 / 5, then gpt2-varlen's): 0 gives
+/// 311 / 1089 / 624 / 279 and 8 / 2 / 2 / 2; 1 gives 307 / 190 / 105 / 109
+/// and 230 / 56 / 51 / 113; 3 gives 472 / 263 / 258 / 258 and
+/// 24 / 34 / 16 / 16; 6 and 7 give 931 / 390 / 396 / 145 and 14 / 0 / 0 / 0;
+/// 8 gives 476 / 78 / 78 / 78 and 14 / 0 / 0 / 0; 9 to 12 give
+/// 519 / 78 / 78 / 78 and the same; from 14 on gpt2-varlen's second pass
+/// binds 514, and from 24 on gpt2-fixed's passes swing between dozens and
+/// thousands of binds (more windows than the mappings a page keeps).
 pub(crate) const GHOST_WEIGHT: usize = 8;
 
 /// Every window [`best_window`] weighs, best first (distinct starts):
