@@ -212,6 +212,17 @@ impl ArenaState {
 /// costs a bind unless its ghost mapping can come back. Returns (binds,
 /// pages to activate, start); ties go to fewer pages to activate, then to
 /// the lowest address, so that a training loop finds the same window again.
+///
+/// `keep_ghosts`: a bind over a ghost mapping (one whose physical page is
+/// in use elsewhere, so it cannot come back now) unmaps that ghost, and
+/// with it the place where a later block of the same shape would have
+/// found that page again for free; each such ghost then weighs
+/// [`GHOST_WEIGHT`] binds more. A huge block whose pattern of idle pages
+/// differs much from the one its usual window remembers then binds a
+/// window of its own rather than overwrite that one, and both patterns
+/// come back, without a bind, when a training loop meets them again (the
+/// first steps of every pass, then the steps that repeat).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn best_window(
     st: &State<'_>,
     len: usize,
@@ -220,15 +231,33 @@ pub(crate) fn best_window(
     me: u64,
     clock: &VectorClock,
     reuse: ReusePolicy,
+    keep_ghosts: bool,
 ) -> Option<(usize, usize, usize)> {
-    let mut best: Option<(usize, usize, usize)> = None;
-    each_window(st, len, align, zone, me, clock, reuse, |cand| {
-        if best.is_none_or(|b| cand < b) {
-            best = Some(cand);
+    let weight = if keep_ghosts { GHOST_WEIGHT } else { 0 };
+    let key = |(binds, acts, start): (usize, usize, usize), lost: usize| {
+        (binds + weight * lost, acts, start)
+    };
+    let mut best: Option<((usize, usize, usize), usize)> = None;
+    each_window(st, len, align, zone, me, clock, reuse, |cand, lost| {
+        if best.is_none_or(|(b, bl)| key(cand, lost) < key(b, bl)) {
+            best = Some((cand, lost));
         }
     });
-    best
+    best.map(|(b, _)| b)
 }
+
+/// How many binds a ghost mapping unmapped by a bind of a huge block
+/// weighs in [`best_window`], besides the bind itself. Measured on the
+/// GPT-2 traces (host backend, 8 mappings a page; binds of gpt2-fixed's
+/// warm passes 2 / 3 / 4 / 5, then gpt2-varlen's): 0 gives
+/// 311 / 1089 / 624 / 279 and 8 / 2 / 2 / 2; 1 gives 307 / 190 / 105 / 109
+/// and 230 / 56 / 51 / 113; 3 gives 472 / 263 / 258 / 258 and
+/// 24 / 34 / 16 / 16; 6 and 7 give 931 / 390 / 396 / 145 and 14 / 0 / 0 / 0;
+/// 8 gives 476 / 78 / 78 / 78 and 14 / 0 / 0 / 0; 9 to 12 give
+/// 519 / 78 / 78 / 78 and the same; from 14 on gpt2-varlen's second pass
+/// binds 514, and from 24 on gpt2-fixed's passes swing between dozens and
+/// thousands of binds (more windows than the mappings a page keeps).
+pub(crate) const GHOST_WEIGHT: usize = 8;
 
 /// Every window [`best_window`] weighs, best first (distinct starts):
 /// for when the best one cannot be had because growth is capped or the
@@ -243,16 +272,16 @@ pub(crate) fn ranked_windows(
     reuse: ReusePolicy,
 ) -> Vec<(usize, usize, usize)> {
     let mut all = Vec::new();
-    each_window(st, len, 1, zone, me, clock, reuse, |cand| all.push(cand));
+    each_window(st, len, 1, zone, me, clock, reuse, |cand, _| all.push(cand));
     all.sort_unstable();
     all.dedup_by_key(|c| c.2);
     all
 }
 
 /// Calls `found` with (binds, pages to activate, start) of each window
-/// worth weighing: flush with either end of a span of usable free ranges
-/// and holes, or with a page boundary (between those the cost does not
-/// change).
+/// worth weighing, and how many of its binds unmap a ghost mapping: flush
+/// with either end of a span of usable free ranges and holes, or with a
+/// page boundary (between those the cost does not change).
 #[allow(clippy::too_many_arguments)]
 fn each_window(
     st: &State<'_>,
@@ -262,7 +291,7 @@ fn each_window(
     me: u64,
     clock: &VectorClock,
     reuse: ReusePolicy,
-    mut found: impl FnMut((usize, usize, usize)),
+    mut found: impl FnMut((usize, usize, usize), usize),
 ) {
     let page = st.arena.page();
     // Maximal spans [l, r) of usable free ranges and holes.
@@ -277,9 +306,11 @@ fn each_window(
             _ => spans.push((lo, hi)),
         }
     }
-    // Per page of a span, prefix sums of binds and of activations.
+    // Per page of a span, prefix sums of binds, of activations and of
+    // binds over a ghost mapping.
     let mut binds: Vec<usize> = Vec::new();
     let mut acts: Vec<usize> = Vec::new();
+    let mut lost: Vec<usize> = Vec::new();
     for (l, r) in spans {
         if r - l < len {
             continue;
@@ -294,12 +325,16 @@ fn each_window(
         let (p0, p1) = (l / page, (r - 1) / page);
         binds.clear();
         acts.clear();
+        lost.clear();
         binds.push(0);
         acts.push(0);
+        lost.push(0);
         for p in p0..=p1 {
             let hole = !st.arena.is_active(p);
             let bind = hole && !ghost_available(st, p);
             binds.push(binds[binds.len() - 1] + bind as usize);
+            let over_ghost = bind && st.arena.mapping_at(p).is_some();
+            lost.push(lost[lost.len() - 1] + over_ghost as usize);
             acts.push(acts[acts.len() - 1] + hole as usize);
         }
         let mut consider = |s: usize| {
@@ -307,7 +342,10 @@ fn each_window(
                 return;
             }
             let (a, b) = (s / page - p0, (s + len - 1) / page - p0 + 1);
-            found((binds[b] - binds[a], acts[b] - acts[a], s));
+            found(
+                (binds[b] - binds[a], acts[b] - acts[a], s),
+                lost[b] - lost[a],
+            );
         };
         // Windows flush with either end of the span or with a page
         // boundary: between those the cost does not change.
