@@ -183,12 +183,25 @@ pub(crate) struct SizeCache {
     /// Bit `i` set: small slot `i` got a block since the last drain (it
     /// may have been taken since), so a drain visits only these slots.
     small_pushed: u128,
-    large: HashMap<usize, Vec<CachedBlock>, BuildIntHasher>,
+    large: HashMap<usize, LargeList, BuildIntHasher>,
+    /// The lengths of `large` whose list got a block since the last drain
+    /// (each once), so that a drain visits only these lists, not every
+    /// length the stream ever cached.
+    large_pushed: Vec<usize>,
+}
+
+/// The blocks of one length above [`SMALL_CACHE_MAX`] (oldest first), and
+/// whether the length is in [`SizeCache::large_pushed`].
+#[derive(Debug, Default)]
+struct LargeList {
+    blocks: Vec<CachedBlock>,
+    listed: bool,
 }
 
 /// Most lengths above [`SMALL_CACHE_MAX`] whose lists a flush of the cache
 /// keeps (empty) for the next frees of those lengths; beyond that many the
-/// lists go, so that a flush visits at most this many empty ones.
+/// lists go, so that a stream freeing ever new lengths does not keep a
+/// list for each.
 const LARGE_KEPT: usize = 64;
 
 /// One slot per multiple of 512 bytes up to [`SMALL_CACHE_MAX`].
@@ -275,7 +288,7 @@ impl SizeCache {
     fn pop_other(&mut self, len: usize) -> Option<CachedBlock> {
         match Self::small_slot(len) {
             Some(i) => self.small.as_mut()?.0[i].pop(),
-            None => self.large.get_mut(&len)?.pop(),
+            None => self.large.get_mut(&len)?.blocks.pop(),
         }
     }
 
@@ -305,7 +318,14 @@ impl SizeCache {
                     None => self.first_small(i, block),
                 }
             }
-            None => self.large.entry(len).or_default().push(block),
+            None => {
+                let list = self.large.entry(len).or_default();
+                if !list.listed {
+                    list.listed = true;
+                    self.large_pushed.push(len);
+                }
+                list.blocks.push(block);
+            }
         }
     }
 
@@ -330,7 +350,7 @@ impl SizeCache {
         match Self::small_slot(len) {
             Some(i) => self.small.as_mut()?.0[i].take_covered(epoch),
             None => {
-                let list = self.large.get_mut(&len)?;
+                let list = &mut self.large.get_mut(&len)?.blocks;
                 let at = list.iter().rposition(|b| b.epoch <= epoch)?;
                 Some(list.remove(at))
             }
@@ -350,20 +370,18 @@ impl SizeCache {
                 slot.drain(|b| f(len, b));
             }
         }
-        if self.large.len() <= LARGE_KEPT {
-            // The lists stay, empty, with their capacity: the lengths a
-            // stream frees come back, and each would allocate its list anew.
-            for (&len, blocks) in self.large.iter_mut() {
-                for b in blocks.drain(..) {
-                    f(len, b);
-                }
+        // Only the lists pushed to since the last drain can hold blocks.
+        for len in self.large_pushed.drain(..) {
+            let list = self.large.get_mut(&len).expect("a listed length has a list");
+            list.listed = false;
+            for b in list.blocks.drain(..) {
+                f(len, b);
             }
-        } else {
-            for (len, blocks) in self.large.drain() {
-                for b in blocks {
-                    f(len, b);
-                }
-            }
+        }
+        if self.large.len() > LARGE_KEPT {
+            // All empty now: past this many lengths the lists go rather
+            // than each keeping its capacity.
+            self.large.clear();
         }
         let len = self.last_len;
         self.last.drain(|b| f(len, b));
