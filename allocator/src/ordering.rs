@@ -36,7 +36,8 @@
 use crate::arena::{Arena, Guard};
 use crate::error::PoolError;
 use crate::sync::{
-    lock, slot_ref, Arc, AtomicBool, LeanMutex, Mutex, OnceSlots, Ordering, RwLock, SlotRef,
+    lock, slot_ref, Arc, AtomicBool, AtomicU64, LeanMutex, Mutex, OnceSlots, Ordering, RwLock,
+    SlotRef,
 };
 use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
@@ -372,7 +373,10 @@ impl SizeCache {
         }
         // Only the lists pushed to since the last drain can hold blocks.
         for len in self.large_pushed.drain(..) {
-            let list = self.large.get_mut(&len).expect("a listed length has a list");
+            let list = self
+                .large
+                .get_mut(&len)
+                .expect("a listed length has a list");
             list.listed = false;
             for b in list.blocks.drain(..) {
                 f(len, b);
@@ -796,6 +800,21 @@ impl Completion {
 /// allocation, as a producer does, pays one query per this many.
 const OWN_BACKLOG: usize = 8;
 
+/// [`StreamOrder::watch_hint`] of an empty watch list.
+const WATCH_NONE: u64 = 0;
+/// [`StreamOrder::watch_hint`] of a list of several streams (or of one
+/// whose id plus one does not fit).
+const WATCH_MANY: u64 = u64::MAX;
+
+/// What [`StreamOrder::watch_hint`] says of `list`.
+fn watch_hint_of(list: &[u64]) -> u64 {
+    match list {
+        [] => WATCH_NONE,
+        [id] if *id < WATCH_MANY - 1 => id + 1,
+        _ => WATCH_MANY,
+    }
+}
+
 /// The stream table and the device calls of stream ordering.
 pub(crate) struct StreamOrder<D: Device> {
     pool: u64,
@@ -821,6 +840,13 @@ pub(crate) struct StreamOrder<D: Device> {
     /// whether it is here). Every slow allocation polls them
     /// ([`StreamOrder::poll_completions`]).
     watch: Mutex<Vec<u64>>,
+    /// The watch list in one word, written under its lock whenever the
+    /// list changes ([`StreamOrder::with_watch`]) and read with no lock:
+    /// [`WATCH_NONE`] when it is empty, the id plus one when it holds that
+    /// stream alone, else [`WATCH_MANY`]. A slow allocation whose stream
+    /// is the only one watched (a stream that records events for itself)
+    /// or that finds nobody watched takes neither of the list's locks.
+    watch_hint: AtomicU64,
     /// Retired streams still in the table, and the ids of those forgotten.
     retired: Mutex<Retired>,
     /// Whether `retired` lists a stream still in the table (one load on
@@ -881,6 +907,7 @@ impl<D: Device> StreamOrder<D> {
             direct: OnceSlots::new(),
             busy: Mutex::new(Vec::new()),
             watch: Mutex::new(Vec::new()),
+            watch_hint: AtomicU64::new(WATCH_NONE),
             retired: Mutex::new(Retired::default()),
             retired_waiting: AtomicBool::new(false),
         }
@@ -1137,8 +1164,21 @@ impl<D: Device> StreamOrder<D> {
     pub fn note_watch(&self, st: &mut StreamState) {
         if !st.watched {
             st.watched = true;
-            lock(&self.watch).push(st.stream.id());
+            let id = st.stream.id();
+            self.with_watch(|list| list.push(id));
         }
+    }
+
+    /// Change the watch list under its lock; [`StreamOrder::watch_hint`]
+    /// follows before the lock is let go, so that it always says what the
+    /// list held at some moment, and the last change's hint is the one
+    /// that stays.
+    fn with_watch<R>(&self, f: impl FnOnce(&mut Vec<u64>) -> R) -> R {
+        let mut list = lock(&self.watch);
+        let r = f(&mut list);
+        self.watch_hint
+            .store(watch_hint_of(&list), Ordering::Release);
+        r
     }
 
     /// Watch `stream` (a free of it just went to the arena, guarded by its
@@ -1184,7 +1224,23 @@ impl<D: Device> StreamOrder<D> {
         if !opportunistic {
             return;
         }
-        let mut ids = std::mem::take(&mut *lock(&self.watch));
+        // Read with no lock: a stream that joins the list after this load
+        // is polled by the next slow allocation (as it would be had it
+        // joined after the list was taken below).
+        match self.watch_hint.load(Ordering::Acquire) {
+            WATCH_NONE => return,
+            WATCH_MANY => {}
+            hint if hint - 1 == me && own.is_some() => {
+                // `me` alone: what the loop below does for it, with no lock
+                // of the list (its state's lock only).
+                let e = own.expect("checked");
+                if lock(&e.state).recorded.len() < OWN_BACKLOG {
+                    return;
+                }
+            }
+            _ => {}
+        }
+        let mut ids = self.with_watch(std::mem::take);
         if ids.is_empty() {
             return;
         }
@@ -1250,12 +1306,13 @@ impl<D: Device> StreamOrder<D> {
             }
         }
         ids.truncate(kept);
-        let mut list = lock(&self.watch);
-        if list.is_empty() {
-            *list = ids;
-        } else {
-            list.extend_from_slice(&ids);
-        }
+        self.with_watch(|list| {
+            if list.is_empty() {
+                *list = ids;
+            } else {
+                list.extend_from_slice(&ids);
+            }
+        });
     }
 
     /// How many streams are watched now (tests only).
@@ -1576,6 +1633,67 @@ mod tests {
     /// The poll asks only the watched streams, each once, forgets those
     /// whose frees it saw complete, and never asks about the allocating
     /// stream's own frees; what it learns upgrades that stream's ranges.
+    /// The watch list's one-word summary: with the allocating stream
+    /// alone watched a poll asks nothing and keeps it; with another stream
+    /// alone watched, or several, the poll asks that stream.
+    #[test]
+    fn a_poll_skips_the_list_only_when_the_allocating_stream_is_alone_in_it() {
+        crate::sync::model(watch_hint_body);
+    }
+
+    fn watch_hint_body() {
+        const PAGE: usize = 2 << 20;
+        let dev = Arc::new(FaultInjector::new(HostDevice::with_config(HostConfig {
+            capacity: 8 << 20,
+            granularity: PAGE,
+        })));
+        let order = StreamOrder::new(1, dev.clone());
+        let (me, consumer) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+        let own = order.entry(me).unwrap();
+        let mut arena = Arena::new(64 * PAGE, PAGE);
+        let mut done = Completion::default();
+        assert_eq!(order.watch_hint.load(Ordering::Relaxed), WATCH_NONE);
+        // The consumer alone (a free with no event): asked.
+        lock(&order.entry(consumer).unwrap().state).frees_in_epoch = true;
+        order.watch_stream(consumer);
+        assert_eq!(order.watch_hint.load(Ordering::Relaxed), consumer.id() + 1);
+        let queries = dev.calls(Op::QueryStream);
+        order.poll_completions(&mut arena, &mut done, true, me.id(), Some(&own));
+        assert_eq!(
+            dev.calls(Op::QueryStream),
+            queries + 1,
+            "the consumer is asked"
+        );
+        assert_eq!(done.observed(consumer.id()), 1);
+        assert_eq!(order.watched_len(), 0, "the consumer is forgotten");
+        assert_eq!(order.watch_hint.load(Ordering::Relaxed), WATCH_NONE);
+        // `me` alone (an event recorded on it): kept, nothing asked.
+        order.record_closing(&mut lock(&own.state)).unwrap();
+        assert_eq!(order.watch_hint.load(Ordering::Relaxed), me.id() + 1);
+        order.poll_completions(&mut arena, &mut done, true, me.id(), Some(&own));
+        assert_eq!(dev.calls(Op::QueryStream), queries + 1);
+        assert_eq!(order.watched_len(), 1, "`me` stays watched");
+        // Both: the consumer is asked again.
+        lock(&order.entry(consumer).unwrap().state).frees_in_epoch = true;
+        order.watch_stream(consumer);
+        assert_eq!(order.watch_hint.load(Ordering::Relaxed), WATCH_MANY);
+        order.poll_completions(&mut arena, &mut done, true, me.id(), Some(&own));
+        assert_eq!(
+            dev.calls(Op::QueryStream),
+            queries + 2,
+            "the consumer is asked"
+        );
+        assert_eq!(
+            order.watched_len(),
+            1,
+            "`me` stays watched, the consumer goes"
+        );
+        assert_eq!(order.watch_hint.load(Ordering::Relaxed), me.id() + 1);
+        for s in [me, consumer] {
+            dev.synchronize_stream(s).unwrap();
+        }
+    }
+
     #[test]
     fn poll_asks_only_watched_streams_and_forgets_the_settled() {
         crate::sync::model(poll_body);
