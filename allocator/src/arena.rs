@@ -456,6 +456,119 @@ impl Guard {
     }
 }
 
+/// The pending free ranges, for `settle`: per stream (the few that have
+/// any), per epoch oldest first, the set of the starts of the ranges under
+/// that guard. A range that takes, loses or moves under a guard costs a
+/// hash-set insert or remove in its epoch's set (found with one
+/// comparison when it is the stream's newest or oldest), where a sorted
+/// map by (stream, epoch, start) cost two binary searches of three-part
+/// keys each time.
+#[derive(Debug, Default)]
+struct PendingIndex {
+    /// Only streams with a range pending.
+    streams: Vec<StreamPending>,
+}
+
+#[derive(Debug)]
+struct StreamPending {
+    stream: u64,
+    /// By epoch, strictly increasing; no set empty.
+    epochs: std::collections::VecDeque<EpochPending>,
+}
+
+#[derive(Debug)]
+struct EpochPending {
+    epoch: u64,
+    /// The starts of the free ranges under `After { stream, epoch }`.
+    starts: std::collections::HashSet<usize, crate::ordering::BuildIntHasher>,
+}
+
+impl PendingIndex {
+    #[inline]
+    fn stream_at(&self, stream: u64) -> Option<usize> {
+        self.streams.iter().position(|s| s.stream == stream)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.streams.is_empty()
+    }
+
+    fn only_of(&self, stream: u64) -> bool {
+        match self.streams.as_slice() {
+            [] => true,
+            [s] => s.stream == stream,
+            _ => false,
+        }
+    }
+
+    /// The set of `epoch` of the stream at `i`, if it has one.
+    #[inline]
+    fn epoch_at(s: &StreamPending, epoch: u64) -> Result<usize, usize> {
+        match (s.epochs.back(), s.epochs.front()) {
+            (Some(e), _) if e.epoch == epoch => Ok(s.epochs.len() - 1),
+            (_, Some(e)) if e.epoch == epoch => Ok(0),
+            _ => s.epochs.binary_search_by_key(&epoch, |e| e.epoch),
+        }
+    }
+
+    /// A range at `off` took guard `After { stream, epoch }`.
+    fn add(&mut self, stream: u64, epoch: u64, off: usize) {
+        let i = match self.stream_at(stream) {
+            Some(i) => i,
+            None => {
+                self.streams.push(StreamPending {
+                    stream,
+                    epochs: Default::default(),
+                });
+                self.streams.len() - 1
+            }
+        };
+        let s = &mut self.streams[i];
+        let k = match Self::epoch_at(s, epoch) {
+            Ok(k) => k,
+            Err(k) => {
+                s.epochs.insert(
+                    k,
+                    EpochPending {
+                        epoch,
+                        starts: Default::default(),
+                    },
+                );
+                k
+            }
+        };
+        let new = s.epochs[k].starts.insert(off);
+        debug_assert!(new, "a start is pending under one guard once");
+    }
+
+    /// The range at `off` lost guard `After { stream, epoch }`.
+    fn remove(&mut self, stream: u64, epoch: u64, off: usize) {
+        let i = self.stream_at(stream).expect("a pending stream is indexed");
+        let s = &mut self.streams[i];
+        let k = Self::epoch_at(s, epoch).expect("a pending epoch is indexed");
+        let was = s.epochs[k].starts.remove(&off);
+        assert!(was, "a pending range is indexed");
+        if s.epochs[k].starts.is_empty() {
+            s.epochs.remove(k);
+            if s.epochs.is_empty() {
+                self.streams.swap_remove(i);
+            }
+        }
+    }
+
+    /// The range at `old` under `After { stream, epoch }` now starts at
+    /// `new`, same guard.
+    fn moved(&mut self, stream: u64, epoch: u64, old: usize, new: usize) {
+        let i = self.stream_at(stream).expect("a pending stream is indexed");
+        let s = &mut self.streams[i];
+        let k = Self::epoch_at(s, epoch).expect("a pending epoch is indexed");
+        let starts = &mut s.epochs[k].starts;
+        let was = starts.remove(&old);
+        assert!(was, "a pending range is indexed");
+        starts.insert(new);
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct FreeRange {
     pub len: usize,
@@ -512,9 +625,9 @@ pub(crate) struct Arena {
     /// that stitching can take the pages idle the longest.
     idle_since: Vec<u64>,
     idle_clock: u64,
-    /// The pending free ranges by (stream, epoch, offset): `settle` looks
-    /// only at these, per stream, oldest first.
-    pending: OrdMap<(u64, u64, usize), ()>,
+    /// The pending free ranges by stream and epoch: `settle` looks only
+    /// at these, per stream, oldest first.
+    pending: PendingIndex,
     /// Reused by `settle` (no allocation per call).
     settle_scratch: Vec<(usize, Guard, Guard)>,
     reserved: u64,
@@ -545,7 +658,7 @@ impl Arena {
             mapped: PageSet::new(va_size / page),
             idle_since: vec![0; va_size / page],
             idle_clock: 0,
-            pending: OrdMap::new(),
+            pending: PendingIndex::default(),
             settle_scratch: Vec::new(),
             reserved: 0,
             reserved_high: 0,
@@ -752,7 +865,7 @@ impl Arena {
 
     fn index_pending(&mut self, off: usize, guard: Guard) {
         if let Guard::After { stream, epoch } = guard {
-            self.pending.insert((stream, epoch, off), ());
+            self.pending.add(stream, epoch, off);
         }
     }
 
@@ -761,8 +874,7 @@ impl Arena {
     fn reindex_pending(&mut self, old: usize, was: Guard, new: usize, now: Guard) {
         match (was, now) {
             (Guard::After { stream, epoch }, _) if was == now => {
-                self.pending
-                    .rekey(&(stream, epoch, old), (stream, epoch, new));
+                self.pending.moved(stream, epoch, old, new);
             }
             _ => {
                 self.unindex_pending(old, was);
@@ -773,7 +885,7 @@ impl Arena {
 
     fn unindex_pending(&mut self, off: usize, guard: Guard) {
         if let Guard::After { stream, epoch } = guard {
-            self.pending.remove(&(stream, epoch, off));
+            self.pending.remove(stream, epoch, off);
         }
     }
 
@@ -1268,12 +1380,8 @@ impl Arena {
     pub fn settle(&mut self, mut upgrade: impl FnMut(Guard) -> Option<Guard>) {
         let mut changed = std::mem::take(&mut self.settle_scratch);
         changed.clear();
-        let mut next = self.pending.first().map(|(k, _)| k.0);
-        while let Some(stream) = next {
-            self.collect_settled(stream, &mut upgrade, &mut changed);
-            next = stream
-                .checked_add(1)
-                .and_then(|s| self.pending.iter_from(&(s, 0, 0)).next().map(|(k, _)| k.0));
+        for s in &self.pending.streams {
+            Self::collect_in(s, &mut upgrade, &mut changed);
         }
         self.apply_settled(changed, upgrade);
     }
@@ -1296,23 +1404,33 @@ impl Arena {
     }
 
     /// The pending ranges of `stream` that `upgrade` rewrites, oldest
-    /// first, up to the first one it leaves as it is.
+    /// first, up to the first epoch it leaves as it is.
     fn collect_settled(
         &self,
         stream: u64,
         upgrade: &mut impl FnMut(Guard) -> Option<Guard>,
         changed: &mut Vec<(usize, Guard, Guard)>,
     ) {
-        for ((_, epoch, off), _) in self
-            .pending
-            .iter_from(&(stream, 0, 0))
-            .take_while(|(k, _)| k.0 == stream)
-        {
-            let was = Guard::After { stream, epoch };
-            match upgrade(was) {
-                Some(g) => changed.push((off, was, g)),
-                None => break,
-            }
+        if let Some(i) = self.pending.stream_at(stream) {
+            Self::collect_in(&self.pending.streams[i], upgrade, changed);
+        }
+    }
+
+    /// [`collect_settled`](Self::collect_settled) on the stream's entry.
+    fn collect_in(
+        s: &StreamPending,
+        upgrade: &mut impl FnMut(Guard) -> Option<Guard>,
+        changed: &mut Vec<(usize, Guard, Guard)>,
+    ) {
+        for e in &s.epochs {
+            let was = Guard::After {
+                stream: s.stream,
+                epoch: e.epoch,
+            };
+            let Some(g) = upgrade(was) else {
+                break;
+            };
+            changed.extend(e.starts.iter().map(|&o| (o, was, g)));
         }
     }
 
@@ -1546,10 +1664,7 @@ impl Arena {
     /// Whether every pending free range is one of `stream`'s (or none is
     /// pending): then `stream` may use every free range, by stream order.
     pub fn pending_only_of(&self, stream: u64) -> bool {
-        match (self.pending.first(), self.pending.last()) {
-            (Some((a, _)), Some((b, _))) => a.0 == stream && b.0 == stream,
-            _ => true,
-        }
+        self.pending.only_of(stream)
     }
 
     /// [`first_window`](Self::first_window); `WALK` false: every free
@@ -1985,22 +2100,27 @@ impl Arena {
             let t = &self.gaps.tree;
             assert_eq!(t[i], t[2 * i].max(t[2 * i + 1]), "node {i}");
         }
-        let pending: BTreeSet<(u64, u64, usize)> = self
-            .free
-            .iter()
-            .filter_map(|(o, r)| match r.guard {
-                Guard::After { stream, epoch } => Some((stream, epoch, o)),
-                Guard::Complete => None,
-            })
-            .collect();
-        assert!(
-            self.pending
-                .iter()
-                .map(|(k, _)| k)
-                .eq(pending.iter().copied()),
-            "pending index disagrees"
-        );
-        self.pending.check();
+        let mut pending: std::collections::BTreeMap<(u64, u64), BTreeSet<usize>> =
+            Default::default();
+        for (o, r) in self.free.iter() {
+            if let Guard::After { stream, epoch } = r.guard {
+                pending.entry((stream, epoch)).or_default().insert(o);
+            }
+        }
+        let mut indexed = std::collections::BTreeMap::new();
+        for s in &self.pending.streams {
+            assert!(
+                !s.epochs.is_empty(),
+                "a stream with nothing pending is dropped"
+            );
+            for (k, e) in s.epochs.iter().enumerate() {
+                assert!(k == 0 || s.epochs[k - 1].epoch < e.epoch, "epochs in order");
+                let starts: BTreeSet<usize> = e.starts.iter().copied().collect();
+                let twice = indexed.insert((s.stream, e.epoch), starts);
+                assert!(twice.is_none(), "a stream listed once");
+            }
+        }
+        assert_eq!(indexed, pending, "pending index disagrees");
         self.free.check();
         self.holes.check();
         self.runs.check();

@@ -389,12 +389,14 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
     }
 
     /// The entry with the smallest key.
+    #[cfg(test)]
     pub fn first(&self) -> Option<(K, &V)> {
         let e = self.chunks.first()?.first()?;
         Some((e.0, &e.1))
     }
 
     /// The entry with the largest key.
+    #[cfg(test)]
     pub fn last(&self) -> Option<(K, &V)> {
         let e = self.chunks.last()?.last()?;
         Some((e.0, &e.1))
