@@ -467,7 +467,15 @@ impl Guard {
 struct PendingIndex {
     /// Only streams with a range pending.
     streams: Vec<StreamPending>,
+    /// Emptied sets, kept with their capacity for the next epochs (an
+    /// epoch's set grows to about as many ranges as the last one's).
+    spare: Vec<StartSet>,
 }
+
+type StartSet = std::collections::HashSet<usize, crate::ordering::BuildIntHasher>;
+
+/// Most emptied sets kept for reuse.
+const SPARE_SETS: usize = 8;
 
 #[derive(Debug)]
 struct StreamPending {
@@ -480,7 +488,7 @@ struct StreamPending {
 struct EpochPending {
     epoch: u64,
     /// The starts of the free ranges under `After { stream, epoch }`.
-    starts: std::collections::HashSet<usize, crate::ordering::BuildIntHasher>,
+    starts: StartSet,
 }
 
 impl PendingIndex {
@@ -527,13 +535,8 @@ impl PendingIndex {
         let k = match Self::epoch_at(s, epoch) {
             Ok(k) => k,
             Err(k) => {
-                s.epochs.insert(
-                    k,
-                    EpochPending {
-                        epoch,
-                        starts: Default::default(),
-                    },
-                );
+                let starts = self.spare.pop().unwrap_or_default();
+                s.epochs.insert(k, EpochPending { epoch, starts });
                 k
             }
         };
@@ -549,7 +552,10 @@ impl PendingIndex {
         let was = s.epochs[k].starts.remove(&off);
         assert!(was, "a pending range is indexed");
         if s.epochs[k].starts.is_empty() {
-            s.epochs.remove(k);
+            let e = s.epochs.remove(k).expect("the epoch's set");
+            if self.spare.len() < SPARE_SETS {
+                self.spare.push(e.starts);
+            }
             if s.epochs.is_empty() {
                 self.streams.swap_remove(i);
             }
