@@ -1722,17 +1722,20 @@ impl Arena {
         // ...then the spans starting after it, lowest first, long enough:
         // with few spans, one walk over them...
         if !self.gaps.indexed {
-            for (o, &l) in self.gaps.spans.iter_from(&from) {
-                if o + len > zone.end {
-                    return None;
-                }
-                if l >= len {
-                    if let Some(s) = in_span(o, l) {
-                        return Some(s);
+            use std::ops::ControlFlow::{Break, Continue};
+            return self
+                .gaps
+                .spans
+                .scan_from(&from, |o, &l| {
+                    if o + len > zone.end {
+                        return Break(None);
                     }
-                }
-            }
-            return None;
+                    match (l >= len).then(|| in_span(o, l)).flatten() {
+                        Some(s) => Break(Some(s)),
+                        None => Continue(()),
+                    }
+                })
+                .flatten();
         }
         // ...else through the tree.
         let page = self.page;
