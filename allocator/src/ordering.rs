@@ -440,13 +440,27 @@ pub(crate) struct AllocInFlight<'a> {
 
 impl<'a> AllocInFlight<'a> {
     /// Mark an allocation in flight on `entry`, or refuse a retired stream.
-    pub fn mark(entry: &'a StreamEntry, stream: Stream) -> Result<Self, PoolError> {
+    /// Also returns what the stream has waited on through the pool (read
+    /// under the same lock).
+    pub fn mark(entry: &'a StreamEntry, stream: Stream) -> Result<(Self, VectorClock), PoolError> {
         let mut st = lock(&entry.state);
         if st.retired {
             return Err(PoolError::StreamRetired { stream });
         }
         st.allocating += 1;
-        Ok(AllocInFlight { entry })
+        Ok((AllocInFlight { entry }, st.clock.clone()))
+    }
+
+    /// The allocation is done: `count` runs on the stream's state under
+    /// the same lock that ends the mark.
+    pub fn finish<R>(self, count: impl FnOnce(&mut StreamState) -> R) -> R {
+        let r = {
+            let mut st = lock(&self.entry.state);
+            st.allocating -= 1;
+            count(&mut st)
+        };
+        std::mem::forget(self);
+        r
     }
 }
 
