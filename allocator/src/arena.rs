@@ -77,6 +77,32 @@ impl PageSet {
         }
     }
 
+    /// The pages `lo..hi` of word `w`'s stretch, as a mask of that word.
+    #[inline]
+    fn mask_in(w: usize, lo: usize, hi: usize) -> u64 {
+        let (a, b) = (lo.max(w * 64) - w * 64, hi.min(w * 64 + 64) - w * 64);
+        // Bits a..b (b - a >= 1).
+        (u64::MAX >> (64 - (b - a))) << a
+    }
+
+    /// Add pages `lo..hi` (none when `lo >= hi`), a word at a time.
+    fn insert_range(&mut self, lo: usize, hi: usize) {
+        if lo < hi {
+            for w in lo / 64..=(hi - 1) / 64 {
+                self.insert_word(w, Self::mask_in(w, lo, hi));
+            }
+        }
+    }
+
+    /// Remove pages `lo..hi` (none when `lo >= hi`), a word at a time.
+    fn remove_range(&mut self, lo: usize, hi: usize) {
+        if lo < hi {
+            for w in lo / 64..=(hi - 1) / 64 {
+                self.remove_word(w, Self::mask_in(w, lo, hi));
+            }
+        }
+    }
+
     /// The highest page of the set below `end` (exclusive).
     fn prev_below(&self, end: usize) -> Option<usize> {
         if end == 0 {
@@ -1075,29 +1101,42 @@ impl Arena {
         off / self.page..=(off + len - 1) / self.page
     }
 
+    /// A block over `[off, off+len)` is handed out: one more user on each
+    /// of its pages. Its first and last pages may hold other blocks; the
+    /// pages between are the block's alone, each going from no user to
+    /// one, so they are set with no test and leave the idle set a word at
+    /// a time.
     fn add_users(&mut self, off: usize, len: usize) {
         let span = self.page_span(off, len);
-        let first = *span.start();
+        let (first, last) = (*span.start(), *span.end());
         let Arena { pages, idle, .. } = self;
-        // The pages that stop being idle leave the set a word at a time.
-        let (mut word, mut mask) = (first / 64, 0u64);
-        for (p, slot) in (first..).zip(&mut pages[span]) {
+        let mut edge = |p: usize| {
+            let slot = &mut pages[p];
             debug_assert!(slot.active, "block on an inactive page");
             if slot.users == 0 {
-                if p / 64 != word {
-                    idle.remove_word(word, mask);
-                    (word, mask) = (p / 64, 0);
-                }
-                mask |= 1 << (p % 64);
+                idle.remove(p);
             }
             slot.users += 1;
+        };
+        edge(first);
+        if last > first {
+            edge(last);
+            for slot in &mut pages[first + 1..last] {
+                debug_assert!(slot.active, "block on an inactive page");
+                debug_assert_eq!(slot.users, 0, "a page inside a block has no other user");
+                slot.users = 1;
+            }
+            idle.remove_range(first + 1, last);
         }
-        idle.remove_word(word, mask);
     }
 
+    /// A block over `[off, off+len)` is given back: one user fewer on each
+    /// of its pages; the pages that fall idle get the idle clock's next
+    /// values in address order (the pages between the first and the last
+    /// all do).
     fn drop_users(&mut self, off: usize, len: usize) {
         let span = self.page_span(off, len);
-        let first = *span.start();
+        let (first, last) = (*span.start(), *span.end());
         let Arena {
             pages,
             idle,
@@ -1105,24 +1144,33 @@ impl Arena {
             idle_clock,
             ..
         } = self;
-        // The pages that fall idle join the set a word at a time.
-        let (mut word, mut mask) = (first / 64, 0u64);
-        for ((p, slot), since) in (first..)
-            .zip(&mut pages[span.clone()])
-            .zip(&mut idle_since[span])
-        {
+        let edge = |p: usize,
+                    pages: &mut [PageSlot],
+                    idle: &mut PageSet,
+                    idle_since: &mut [u64],
+                    idle_clock: &mut u64| {
+            let slot = &mut pages[p];
             slot.users -= 1;
             if slot.users == 0 {
-                if p / 64 != word {
-                    idle.insert_word(word, mask);
-                    (word, mask) = (p / 64, 0);
-                }
-                mask |= 1 << (p % 64);
+                idle.insert(p);
+                idle_since[p] = *idle_clock;
+                *idle_clock += 1;
+            }
+        };
+        edge(first, pages, idle, idle_since, idle_clock);
+        if last > first {
+            for (slot, since) in pages[first + 1..last]
+                .iter_mut()
+                .zip(&mut idle_since[first + 1..last])
+            {
+                debug_assert_eq!(slot.users, 1, "a page inside a block has no other user");
+                slot.users = 0;
                 *since = *idle_clock;
                 *idle_clock += 1;
             }
+            idle.insert_range(first + 1, last);
+            edge(last, pages, idle, idle_since, idle_clock);
         }
-        idle.insert_word(word, mask);
     }
 
     /// Hand out `[off, off+len)`, which must be covered by free ranges
@@ -2562,6 +2610,40 @@ mod tests {
     fn fresh_pages_coalesce_into_one_free_range() {
         let a = arena_with_pages(3);
         assert_eq!(a.largest_free(), 3 * PAGE);
+    }
+
+    /// Pages that fall idle when a block goes back get the idle clock's
+    /// next values in address order, the block's first and last pages
+    /// (shared with other blocks) included when they fall idle too.
+    #[test]
+    fn pages_falling_idle_are_stamped_in_address_order() {
+        let mut a = arena_with_pages(8);
+        let g = Guard::After {
+            stream: 1,
+            epoch: 1,
+        };
+        // Blocks on pages 0..=5 (the first sharing page 0 with a small
+        // block) and 6..8.
+        a.take(0, 512);
+        a.take(512, 6 * PAGE - 1024);
+        a.take(6 * PAGE, 2 * PAGE);
+        a.check();
+        let before = a.idle_since(7);
+        a.give_back(512, 6 * PAGE - 1024, g);
+        a.check();
+        // Page 0 keeps its small block; pages 1..=5 fell idle in order.
+        let stamps: Vec<u64> = (1..=5).map(|p| a.idle_since(p)).collect();
+        assert!(stamps.windows(2).all(|w| w[1] == w[0] + 1), "{stamps:?}");
+        a.give_back(0, 512, g);
+        a.give_back(6 * PAGE, 2 * PAGE, g);
+        a.check();
+        assert_eq!(a.idle_since(0), stamps[4] + 1, "page 0 next");
+        assert_eq!(
+            (a.idle_since(6), a.idle_since(7)),
+            (stamps[4] + 2, stamps[4] + 3),
+            "then the last block's pages, first to last"
+        );
+        assert!(a.idle_since(7) > before);
     }
 
     #[test]
