@@ -498,7 +498,7 @@ struct PendingIndex {
     spare: Vec<StartSet>,
 }
 
-type StartSet = std::collections::HashSet<usize, crate::ordering::BuildIntHasher>;
+type StartSet = std::collections::HashSet<usize, crate::inthash::BuildIntHasher>;
 
 /// Most emptied sets kept for reuse.
 const SPARE_SETS: usize = 8;
