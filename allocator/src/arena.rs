@@ -77,6 +77,32 @@ impl PageSet {
         }
     }
 
+    /// The pages `lo..hi` of word `w`'s stretch, as a mask of that word.
+    #[inline]
+    fn mask_in(w: usize, lo: usize, hi: usize) -> u64 {
+        let (a, b) = (lo.max(w * 64) - w * 64, hi.min(w * 64 + 64) - w * 64);
+        // Bits a..b (b - a >= 1).
+        (u64::MAX >> (64 - (b - a))) << a
+    }
+
+    /// Add pages `lo..hi` (none when `lo >= hi`), a word at a time.
+    fn insert_range(&mut self, lo: usize, hi: usize) {
+        if lo < hi {
+            for w in lo / 64..=(hi - 1) / 64 {
+                self.insert_word(w, Self::mask_in(w, lo, hi));
+            }
+        }
+    }
+
+    /// Remove pages `lo..hi` (none when `lo >= hi`), a word at a time.
+    fn remove_range(&mut self, lo: usize, hi: usize) {
+        if lo < hi {
+            for w in lo / 64..=(hi - 1) / 64 {
+                self.remove_word(w, Self::mask_in(w, lo, hi));
+            }
+        }
+    }
+
     /// The highest page of the set below `end` (exclusive).
     fn prev_below(&self, end: usize) -> Option<usize> {
         if end == 0 {
@@ -456,6 +482,125 @@ impl Guard {
     }
 }
 
+/// The pending free ranges, for `settle`: per stream (the few that have
+/// any), per epoch oldest first, the set of the starts of the ranges under
+/// that guard. A range that takes, loses or moves under a guard costs a
+/// hash-set insert or remove in its epoch's set (found with one
+/// comparison when it is the stream's newest or oldest), where a sorted
+/// map by (stream, epoch, start) cost two binary searches of three-part
+/// keys each time.
+#[derive(Debug, Default)]
+struct PendingIndex {
+    /// Only streams with a range pending.
+    streams: Vec<StreamPending>,
+    /// Emptied sets, kept with their capacity for the next epochs (an
+    /// epoch's set grows to about as many ranges as the last one's).
+    spare: Vec<StartSet>,
+}
+
+type StartSet = std::collections::HashSet<usize, crate::inthash::BuildIntHasher>;
+
+/// Most emptied sets kept for reuse.
+const SPARE_SETS: usize = 8;
+
+#[derive(Debug)]
+struct StreamPending {
+    stream: u64,
+    /// By epoch, strictly increasing; no set empty.
+    epochs: std::collections::VecDeque<EpochPending>,
+}
+
+#[derive(Debug)]
+struct EpochPending {
+    epoch: u64,
+    /// The starts of the free ranges under `After { stream, epoch }`.
+    starts: StartSet,
+}
+
+impl PendingIndex {
+    #[inline]
+    fn stream_at(&self, stream: u64) -> Option<usize> {
+        self.streams.iter().position(|s| s.stream == stream)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.streams.is_empty()
+    }
+
+    fn only_of(&self, stream: u64) -> bool {
+        match self.streams.as_slice() {
+            [] => true,
+            [s] => s.stream == stream,
+            _ => false,
+        }
+    }
+
+    /// The set of `epoch` of the stream at `i`, if it has one.
+    #[inline]
+    fn epoch_at(s: &StreamPending, epoch: u64) -> Result<usize, usize> {
+        match (s.epochs.back(), s.epochs.front()) {
+            (Some(e), _) if e.epoch == epoch => Ok(s.epochs.len() - 1),
+            (_, Some(e)) if e.epoch == epoch => Ok(0),
+            _ => s.epochs.binary_search_by_key(&epoch, |e| e.epoch),
+        }
+    }
+
+    /// A range at `off` took guard `After { stream, epoch }`.
+    fn add(&mut self, stream: u64, epoch: u64, off: usize) {
+        let i = match self.stream_at(stream) {
+            Some(i) => i,
+            None => {
+                self.streams.push(StreamPending {
+                    stream,
+                    epochs: Default::default(),
+                });
+                self.streams.len() - 1
+            }
+        };
+        let s = &mut self.streams[i];
+        let k = match Self::epoch_at(s, epoch) {
+            Ok(k) => k,
+            Err(k) => {
+                let starts = self.spare.pop().unwrap_or_default();
+                s.epochs.insert(k, EpochPending { epoch, starts });
+                k
+            }
+        };
+        let new = s.epochs[k].starts.insert(off);
+        debug_assert!(new, "a start is pending under one guard once");
+    }
+
+    /// The range at `off` lost guard `After { stream, epoch }`.
+    fn remove(&mut self, stream: u64, epoch: u64, off: usize) {
+        let i = self.stream_at(stream).expect("a pending stream is indexed");
+        let s = &mut self.streams[i];
+        let k = Self::epoch_at(s, epoch).expect("a pending epoch is indexed");
+        let was = s.epochs[k].starts.remove(&off);
+        assert!(was, "a pending range is indexed");
+        if s.epochs[k].starts.is_empty() {
+            let e = s.epochs.remove(k).expect("the epoch's set");
+            if self.spare.len() < SPARE_SETS {
+                self.spare.push(e.starts);
+            }
+            if s.epochs.is_empty() {
+                self.streams.swap_remove(i);
+            }
+        }
+    }
+
+    /// The range at `old` under `After { stream, epoch }` now starts at
+    /// `new`, same guard.
+    fn moved(&mut self, stream: u64, epoch: u64, old: usize, new: usize) {
+        let i = self.stream_at(stream).expect("a pending stream is indexed");
+        let s = &mut self.streams[i];
+        let k = Self::epoch_at(s, epoch).expect("a pending epoch is indexed");
+        let starts = &mut s.epochs[k].starts;
+        let was = starts.remove(&old);
+        assert!(was, "a pending range is indexed");
+        starts.insert(new);
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct FreeRange {
     pub len: usize,
@@ -512,9 +657,9 @@ pub(crate) struct Arena {
     /// that stitching can take the pages idle the longest.
     idle_since: Vec<u64>,
     idle_clock: u64,
-    /// The pending free ranges by (stream, epoch, offset): `settle` looks
-    /// only at these, per stream, oldest first.
-    pending: OrdMap<(u64, u64, usize), ()>,
+    /// The pending free ranges by stream and epoch: `settle` looks only
+    /// at these, per stream, oldest first.
+    pending: PendingIndex,
     /// Reused by `settle` (no allocation per call).
     settle_scratch: Vec<(usize, Guard, Guard)>,
     reserved: u64,
@@ -545,7 +690,7 @@ impl Arena {
             mapped: PageSet::new(va_size / page),
             idle_since: vec![0; va_size / page],
             idle_clock: 0,
-            pending: OrdMap::new(),
+            pending: PendingIndex::default(),
             settle_scratch: Vec::new(),
             reserved: 0,
             reserved_high: 0,
@@ -752,7 +897,7 @@ impl Arena {
 
     fn index_pending(&mut self, off: usize, guard: Guard) {
         if let Guard::After { stream, epoch } = guard {
-            self.pending.insert((stream, epoch, off), ());
+            self.pending.add(stream, epoch, off);
         }
     }
 
@@ -761,8 +906,7 @@ impl Arena {
     fn reindex_pending(&mut self, old: usize, was: Guard, new: usize, now: Guard) {
         match (was, now) {
             (Guard::After { stream, epoch }, _) if was == now => {
-                self.pending
-                    .rekey(&(stream, epoch, old), (stream, epoch, new));
+                self.pending.moved(stream, epoch, old, new);
             }
             _ => {
                 self.unindex_pending(old, was);
@@ -773,7 +917,7 @@ impl Arena {
 
     fn unindex_pending(&mut self, off: usize, guard: Guard) {
         if let Guard::After { stream, epoch } = guard {
-            self.pending.remove(&(stream, epoch, off));
+            self.pending.remove(stream, epoch, off);
         }
     }
 
@@ -957,29 +1101,42 @@ impl Arena {
         off / self.page..=(off + len - 1) / self.page
     }
 
+    /// A block over `[off, off+len)` is handed out: one more user on each
+    /// of its pages. Its first and last pages may hold other blocks; the
+    /// pages between are the block's alone, each going from no user to
+    /// one, so they are set with no test and leave the idle set a word at
+    /// a time.
     fn add_users(&mut self, off: usize, len: usize) {
         let span = self.page_span(off, len);
-        let first = *span.start();
+        let (first, last) = (*span.start(), *span.end());
         let Arena { pages, idle, .. } = self;
-        // The pages that stop being idle leave the set a word at a time.
-        let (mut word, mut mask) = (first / 64, 0u64);
-        for (p, slot) in (first..).zip(&mut pages[span]) {
+        let mut edge = |p: usize| {
+            let slot = &mut pages[p];
             debug_assert!(slot.active, "block on an inactive page");
             if slot.users == 0 {
-                if p / 64 != word {
-                    idle.remove_word(word, mask);
-                    (word, mask) = (p / 64, 0);
-                }
-                mask |= 1 << (p % 64);
+                idle.remove(p);
             }
             slot.users += 1;
+        };
+        edge(first);
+        if last > first {
+            edge(last);
+            for slot in &mut pages[first + 1..last] {
+                debug_assert!(slot.active, "block on an inactive page");
+                debug_assert_eq!(slot.users, 0, "a page inside a block has no other user");
+                slot.users = 1;
+            }
+            idle.remove_range(first + 1, last);
         }
-        idle.remove_word(word, mask);
     }
 
+    /// A block over `[off, off+len)` is given back: one user fewer on each
+    /// of its pages; the pages that fall idle get the idle clock's next
+    /// values in address order (the pages between the first and the last
+    /// all do).
     fn drop_users(&mut self, off: usize, len: usize) {
         let span = self.page_span(off, len);
-        let first = *span.start();
+        let (first, last) = (*span.start(), *span.end());
         let Arena {
             pages,
             idle,
@@ -987,24 +1144,33 @@ impl Arena {
             idle_clock,
             ..
         } = self;
-        // The pages that fall idle join the set a word at a time.
-        let (mut word, mut mask) = (first / 64, 0u64);
-        for ((p, slot), since) in (first..)
-            .zip(&mut pages[span.clone()])
-            .zip(&mut idle_since[span])
-        {
+        let edge = |p: usize,
+                    pages: &mut [PageSlot],
+                    idle: &mut PageSet,
+                    idle_since: &mut [u64],
+                    idle_clock: &mut u64| {
+            let slot = &mut pages[p];
             slot.users -= 1;
             if slot.users == 0 {
-                if p / 64 != word {
-                    idle.insert_word(word, mask);
-                    (word, mask) = (p / 64, 0);
-                }
-                mask |= 1 << (p % 64);
+                idle.insert(p);
+                idle_since[p] = *idle_clock;
+                *idle_clock += 1;
+            }
+        };
+        edge(first, pages, idle, idle_since, idle_clock);
+        if last > first {
+            for (slot, since) in pages[first + 1..last]
+                .iter_mut()
+                .zip(&mut idle_since[first + 1..last])
+            {
+                debug_assert_eq!(slot.users, 1, "a page inside a block has no other user");
+                slot.users = 0;
                 *since = *idle_clock;
                 *idle_clock += 1;
             }
+            idle.insert_range(first + 1, last);
+            edge(last, pages, idle, idle_since, idle_clock);
         }
-        idle.insert_word(word, mask);
     }
 
     /// Hand out `[off, off+len)`, which must be covered by free ranges
@@ -1268,12 +1434,8 @@ impl Arena {
     pub fn settle(&mut self, mut upgrade: impl FnMut(Guard) -> Option<Guard>) {
         let mut changed = std::mem::take(&mut self.settle_scratch);
         changed.clear();
-        let mut next = self.pending.first().map(|(k, _)| k.0);
-        while let Some(stream) = next {
-            self.collect_settled(stream, &mut upgrade, &mut changed);
-            next = stream
-                .checked_add(1)
-                .and_then(|s| self.pending.iter_from(&(s, 0, 0)).next().map(|(k, _)| k.0));
+        for s in &self.pending.streams {
+            Self::collect_in(s, &mut upgrade, &mut changed);
         }
         self.apply_settled(changed, upgrade);
     }
@@ -1296,23 +1458,33 @@ impl Arena {
     }
 
     /// The pending ranges of `stream` that `upgrade` rewrites, oldest
-    /// first, up to the first one it leaves as it is.
+    /// first, up to the first epoch it leaves as it is.
     fn collect_settled(
         &self,
         stream: u64,
         upgrade: &mut impl FnMut(Guard) -> Option<Guard>,
         changed: &mut Vec<(usize, Guard, Guard)>,
     ) {
-        for ((_, epoch, off), _) in self
-            .pending
-            .iter_from(&(stream, 0, 0))
-            .take_while(|(k, _)| k.0 == stream)
-        {
-            let was = Guard::After { stream, epoch };
-            match upgrade(was) {
-                Some(g) => changed.push((off, was, g)),
-                None => break,
-            }
+        if let Some(i) = self.pending.stream_at(stream) {
+            Self::collect_in(&self.pending.streams[i], upgrade, changed);
+        }
+    }
+
+    /// [`collect_settled`](Self::collect_settled) on the stream's entry.
+    fn collect_in(
+        s: &StreamPending,
+        upgrade: &mut impl FnMut(Guard) -> Option<Guard>,
+        changed: &mut Vec<(usize, Guard, Guard)>,
+    ) {
+        for e in &s.epochs {
+            let was = Guard::After {
+                stream: s.stream,
+                epoch: e.epoch,
+            };
+            let Some(g) = upgrade(was) else {
+                break;
+            };
+            changed.extend(e.starts.iter().map(|&o| (o, was, g)));
         }
     }
 
@@ -1546,10 +1718,7 @@ impl Arena {
     /// Whether every pending free range is one of `stream`'s (or none is
     /// pending): then `stream` may use every free range, by stream order.
     pub fn pending_only_of(&self, stream: u64) -> bool {
-        match (self.pending.first(), self.pending.last()) {
-            (Some((a, _)), Some((b, _))) => a.0 == stream && b.0 == stream,
-            _ => true,
-        }
+        self.pending.only_of(stream)
     }
 
     /// [`first_window`](Self::first_window); `WALK` false: every free
@@ -1601,17 +1770,20 @@ impl Arena {
         // ...then the spans starting after it, lowest first, long enough:
         // with few spans, one walk over them...
         if !self.gaps.indexed {
-            for (o, &l) in self.gaps.spans.iter_from(&from) {
-                if o + len > zone.end {
-                    return None;
-                }
-                if l >= len {
-                    if let Some(s) = in_span(o, l) {
-                        return Some(s);
+            use std::ops::ControlFlow::{Break, Continue};
+            return self
+                .gaps
+                .spans
+                .scan_from(&from, |o, &l| {
+                    if o + len > zone.end {
+                        return Break(None);
                     }
-                }
-            }
-            return None;
+                    match (l >= len).then(|| in_span(o, l)).flatten() {
+                        Some(s) => Break(Some(s)),
+                        None => Continue(()),
+                    }
+                })
+                .flatten();
         }
         // ...else through the tree.
         let page = self.page;
@@ -1985,22 +2157,27 @@ impl Arena {
             let t = &self.gaps.tree;
             assert_eq!(t[i], t[2 * i].max(t[2 * i + 1]), "node {i}");
         }
-        let pending: BTreeSet<(u64, u64, usize)> = self
-            .free
-            .iter()
-            .filter_map(|(o, r)| match r.guard {
-                Guard::After { stream, epoch } => Some((stream, epoch, o)),
-                Guard::Complete => None,
-            })
-            .collect();
-        assert!(
-            self.pending
-                .iter()
-                .map(|(k, _)| k)
-                .eq(pending.iter().copied()),
-            "pending index disagrees"
-        );
-        self.pending.check();
+        let mut pending: std::collections::BTreeMap<(u64, u64), BTreeSet<usize>> =
+            Default::default();
+        for (o, r) in self.free.iter() {
+            if let Guard::After { stream, epoch } = r.guard {
+                pending.entry((stream, epoch)).or_default().insert(o);
+            }
+        }
+        let mut indexed = std::collections::BTreeMap::new();
+        for s in &self.pending.streams {
+            assert!(
+                !s.epochs.is_empty(),
+                "a stream with nothing pending is dropped"
+            );
+            for (k, e) in s.epochs.iter().enumerate() {
+                assert!(k == 0 || s.epochs[k - 1].epoch < e.epoch, "epochs in order");
+                let starts: BTreeSet<usize> = e.starts.iter().copied().collect();
+                let twice = indexed.insert((s.stream, e.epoch), starts);
+                assert!(twice.is_none(), "a stream listed once");
+            }
+        }
+        assert_eq!(indexed, pending, "pending index disagrees");
         self.free.check();
         self.holes.check();
         self.runs.check();
@@ -2433,6 +2610,40 @@ mod tests {
     fn fresh_pages_coalesce_into_one_free_range() {
         let a = arena_with_pages(3);
         assert_eq!(a.largest_free(), 3 * PAGE);
+    }
+
+    /// Pages that fall idle when a block goes back get the idle clock's
+    /// next values in address order, the block's first and last pages
+    /// (shared with other blocks) included when they fall idle too.
+    #[test]
+    fn pages_falling_idle_are_stamped_in_address_order() {
+        let mut a = arena_with_pages(8);
+        let g = Guard::After {
+            stream: 1,
+            epoch: 1,
+        };
+        // Blocks on pages 0..=5 (the first sharing page 0 with a small
+        // block) and 6..8.
+        a.take(0, 512);
+        a.take(512, 6 * PAGE - 1024);
+        a.take(6 * PAGE, 2 * PAGE);
+        a.check();
+        let before = a.idle_since(7);
+        a.give_back(512, 6 * PAGE - 1024, g);
+        a.check();
+        // Page 0 keeps its small block; pages 1..=5 fell idle in order.
+        let stamps: Vec<u64> = (1..=5).map(|p| a.idle_since(p)).collect();
+        assert!(stamps.windows(2).all(|w| w[1] == w[0] + 1), "{stamps:?}");
+        a.give_back(0, 512, g);
+        a.give_back(6 * PAGE, 2 * PAGE, g);
+        a.check();
+        assert_eq!(a.idle_since(0), stamps[4] + 1, "page 0 next");
+        assert_eq!(
+            (a.idle_since(6), a.idle_since(7)),
+            (stamps[4] + 2, stamps[4] + 3),
+            "then the last block's pages, first to last"
+        );
+        assert!(a.idle_since(7) > before);
     }
 
     #[test]

@@ -70,6 +70,7 @@ mod config;
 #[cfg(all(feature = "cudarc", not(loom)))]
 pub mod cudarc;
 mod error;
+mod inthash;
 mod ordering;
 mod ordmap;
 mod pages;

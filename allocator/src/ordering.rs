@@ -35,8 +35,10 @@
 
 use crate::arena::{Arena, Guard};
 use crate::error::PoolError;
+use crate::inthash::BuildIntHasher;
 use crate::sync::{
-    lock, slot_ref, Arc, AtomicBool, LeanMutex, Mutex, OnceSlots, Ordering, RwLock, SlotRef,
+    lock, slot_ref, Arc, AtomicBool, AtomicU64, LeanMutex, Mutex, OnceSlots, Ordering, RwLock,
+    SlotRef,
 };
 use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
@@ -114,35 +116,6 @@ impl std::fmt::Debug for EventRecord {
     }
 }
 
-/// Hashes the pool's own integer keys: block lengths (multiples of 512)
-/// for the stream caches, stream ids for the completion maps. SipHash
-/// (std's default) was a measurable share of the alloc+free fast path and
-/// of observing completions, and these keys come from the pool, not from an
-/// adversary. A multiply, then the high bits folded into the low ones that
-/// pick the bucket.
-#[derive(Default)]
-pub(crate) struct IntHasher(u64);
-
-impl std::hash::Hasher for IntHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
-        }
-    }
-    fn write_u64(&mut self, n: u64) {
-        let h = (self.0 ^ n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        self.0 = h ^ (h >> 29);
-    }
-    fn write_usize(&mut self, n: usize) {
-        self.write_u64(n as u64);
-    }
-    fn finish(&self) -> u64 {
-        self.0
-    }
-}
-
-pub(crate) type BuildIntHasher = std::hash::BuildHasherDefault<IntHasher>;
-
 /// A block freed on a stream and kept in that stream's private cache.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct CachedBlock {
@@ -183,12 +156,25 @@ pub(crate) struct SizeCache {
     /// Bit `i` set: small slot `i` got a block since the last drain (it
     /// may have been taken since), so a drain visits only these slots.
     small_pushed: u128,
-    large: HashMap<usize, Vec<CachedBlock>, BuildIntHasher>,
+    large: HashMap<usize, LargeList, BuildIntHasher>,
+    /// The lengths of `large` whose list got a block since the last drain
+    /// (each once), so that a drain visits only these lists, not every
+    /// length the stream ever cached.
+    large_pushed: Vec<usize>,
+}
+
+/// The blocks of one length above [`SMALL_CACHE_MAX`] (oldest first), and
+/// whether the length is in [`SizeCache::large_pushed`].
+#[derive(Debug, Default)]
+struct LargeList {
+    blocks: Vec<CachedBlock>,
+    listed: bool,
 }
 
 /// Most lengths above [`SMALL_CACHE_MAX`] whose lists a flush of the cache
 /// keeps (empty) for the next frees of those lengths; beyond that many the
-/// lists go, so that a flush visits at most this many empty ones.
+/// lists go, so that a stream freeing ever new lengths does not keep a
+/// list for each.
 const LARGE_KEPT: usize = 64;
 
 /// One slot per multiple of 512 bytes up to [`SMALL_CACHE_MAX`].
@@ -275,7 +261,7 @@ impl SizeCache {
     fn pop_other(&mut self, len: usize) -> Option<CachedBlock> {
         match Self::small_slot(len) {
             Some(i) => self.small.as_mut()?.0[i].pop(),
-            None => self.large.get_mut(&len)?.pop(),
+            None => self.large.get_mut(&len)?.blocks.pop(),
         }
     }
 
@@ -305,7 +291,14 @@ impl SizeCache {
                     None => self.first_small(i, block),
                 }
             }
-            None => self.large.entry(len).or_default().push(block),
+            None => {
+                let list = self.large.entry(len).or_default();
+                if !list.listed {
+                    list.listed = true;
+                    self.large_pushed.push(len);
+                }
+                list.blocks.push(block);
+            }
         }
     }
 
@@ -330,7 +323,7 @@ impl SizeCache {
         match Self::small_slot(len) {
             Some(i) => self.small.as_mut()?.0[i].take_covered(epoch),
             None => {
-                let list = self.large.get_mut(&len)?;
+                let list = &mut self.large.get_mut(&len)?.blocks;
                 let at = list.iter().rposition(|b| b.epoch <= epoch)?;
                 Some(list.remove(at))
             }
@@ -350,20 +343,21 @@ impl SizeCache {
                 slot.drain(|b| f(len, b));
             }
         }
-        if self.large.len() <= LARGE_KEPT {
-            // The lists stay, empty, with their capacity: the lengths a
-            // stream frees come back, and each would allocate its list anew.
-            for (&len, blocks) in self.large.iter_mut() {
-                for b in blocks.drain(..) {
-                    f(len, b);
-                }
+        // Only the lists pushed to since the last drain can hold blocks.
+        for len in self.large_pushed.drain(..) {
+            let list = self
+                .large
+                .get_mut(&len)
+                .expect("a listed length has a list");
+            list.listed = false;
+            for b in list.blocks.drain(..) {
+                f(len, b);
             }
-        } else {
-            for (len, blocks) in self.large.drain() {
-                for b in blocks {
-                    f(len, b);
-                }
-            }
+        }
+        if self.large.len() > LARGE_KEPT {
+            // All empty now: past this many lengths the lists go rather
+            // than each keeping its capacity.
+            self.large.clear();
         }
         let len = self.last_len;
         self.last.drain(|b| f(len, b));
@@ -418,13 +412,27 @@ pub(crate) struct AllocInFlight<'a> {
 
 impl<'a> AllocInFlight<'a> {
     /// Mark an allocation in flight on `entry`, or refuse a retired stream.
-    pub fn mark(entry: &'a StreamEntry, stream: Stream) -> Result<Self, PoolError> {
+    /// Also returns what the stream has waited on through the pool (read
+    /// under the same lock).
+    pub fn mark(entry: &'a StreamEntry, stream: Stream) -> Result<(Self, VectorClock), PoolError> {
         let mut st = lock(&entry.state);
         if st.retired {
             return Err(PoolError::StreamRetired { stream });
         }
         st.allocating += 1;
-        Ok(AllocInFlight { entry })
+        Ok((AllocInFlight { entry }, st.clock.clone()))
+    }
+
+    /// The allocation is done: `count` runs on the stream's state under
+    /// the same lock that ends the mark.
+    pub fn finish<R>(self, count: impl FnOnce(&mut StreamState) -> R) -> R {
+        let r = {
+            let mut st = lock(&self.entry.state);
+            st.allocating -= 1;
+            count(&mut st)
+        };
+        std::mem::forget(self);
+        r
     }
 }
 
@@ -778,6 +786,21 @@ impl Completion {
 /// allocation, as a producer does, pays one query per this many.
 const OWN_BACKLOG: usize = 8;
 
+/// [`StreamOrder::watch_hint`] of an empty watch list.
+const WATCH_NONE: u64 = 0;
+/// [`StreamOrder::watch_hint`] of a list of several streams (or of one
+/// whose id plus one does not fit).
+const WATCH_MANY: u64 = u64::MAX;
+
+/// What [`StreamOrder::watch_hint`] says of `list`.
+fn watch_hint_of(list: &[u64]) -> u64 {
+    match list {
+        [] => WATCH_NONE,
+        [id] if *id < WATCH_MANY - 1 => id + 1,
+        _ => WATCH_MANY,
+    }
+}
+
 /// The stream table and the device calls of stream ordering.
 pub(crate) struct StreamOrder<D: Device> {
     pool: u64,
@@ -803,6 +826,13 @@ pub(crate) struct StreamOrder<D: Device> {
     /// whether it is here). Every slow allocation polls them
     /// ([`StreamOrder::poll_completions`]).
     watch: Mutex<Vec<u64>>,
+    /// The watch list in one word, written under its lock whenever the
+    /// list changes ([`StreamOrder::with_watch`]) and read with no lock:
+    /// [`WATCH_NONE`] when it is empty, the id plus one when it holds that
+    /// stream alone, else [`WATCH_MANY`]. A slow allocation whose stream
+    /// is the only one watched (a stream that records events for itself)
+    /// or that finds nobody watched takes neither of the list's locks.
+    watch_hint: AtomicU64,
     /// Retired streams still in the table, and the ids of those forgotten.
     retired: Mutex<Retired>,
     /// Whether `retired` lists a stream still in the table (one load on
@@ -863,6 +893,7 @@ impl<D: Device> StreamOrder<D> {
             direct: OnceSlots::new(),
             busy: Mutex::new(Vec::new()),
             watch: Mutex::new(Vec::new()),
+            watch_hint: AtomicU64::new(WATCH_NONE),
             retired: Mutex::new(Retired::default()),
             retired_waiting: AtomicBool::new(false),
         }
@@ -1119,8 +1150,21 @@ impl<D: Device> StreamOrder<D> {
     pub fn note_watch(&self, st: &mut StreamState) {
         if !st.watched {
             st.watched = true;
-            lock(&self.watch).push(st.stream.id());
+            let id = st.stream.id();
+            self.with_watch(|list| list.push(id));
         }
+    }
+
+    /// Change the watch list under its lock; [`StreamOrder::watch_hint`]
+    /// follows before the lock is let go, so that it always says what the
+    /// list held at some moment, and the last change's hint is the one
+    /// that stays.
+    fn with_watch<R>(&self, f: impl FnOnce(&mut Vec<u64>) -> R) -> R {
+        let mut list = lock(&self.watch);
+        let r = f(&mut list);
+        self.watch_hint
+            .store(watch_hint_of(&list), Ordering::Release);
+        r
     }
 
     /// Watch `stream` (a free of it just went to the arena, guarded by its
@@ -1166,7 +1210,23 @@ impl<D: Device> StreamOrder<D> {
         if !opportunistic {
             return;
         }
-        let mut ids = std::mem::take(&mut *lock(&self.watch));
+        // Read with no lock: a stream that joins the list after this load
+        // is polled by the next slow allocation (as it would be had it
+        // joined after the list was taken below).
+        match self.watch_hint.load(Ordering::Acquire) {
+            WATCH_NONE => return,
+            WATCH_MANY => {}
+            hint if hint - 1 == me && own.is_some() => {
+                // `me` alone: what the loop below does for it, with no lock
+                // of the list (its state's lock only).
+                let e = own.expect("checked");
+                if lock(&e.state).recorded.len() < OWN_BACKLOG {
+                    return;
+                }
+            }
+            _ => {}
+        }
+        let mut ids = self.with_watch(std::mem::take);
         if ids.is_empty() {
             return;
         }
@@ -1232,12 +1292,13 @@ impl<D: Device> StreamOrder<D> {
             }
         }
         ids.truncate(kept);
-        let mut list = lock(&self.watch);
-        if list.is_empty() {
-            *list = ids;
-        } else {
-            list.extend_from_slice(&ids);
-        }
+        self.with_watch(|list| {
+            if list.is_empty() {
+                *list = ids;
+            } else {
+                list.extend_from_slice(&ids);
+            }
+        });
     }
 
     /// How many streams are watched now (tests only).
@@ -1558,6 +1619,67 @@ mod tests {
     /// The poll asks only the watched streams, each once, forgets those
     /// whose frees it saw complete, and never asks about the allocating
     /// stream's own frees; what it learns upgrades that stream's ranges.
+    /// The watch list's one-word summary: with the allocating stream
+    /// alone watched a poll asks nothing and keeps it; with another stream
+    /// alone watched, or several, the poll asks that stream.
+    #[test]
+    fn a_poll_skips_the_list_only_when_the_allocating_stream_is_alone_in_it() {
+        crate::sync::model(watch_hint_body);
+    }
+
+    fn watch_hint_body() {
+        const PAGE: usize = 2 << 20;
+        let dev = Arc::new(FaultInjector::new(HostDevice::with_config(HostConfig {
+            capacity: 8 << 20,
+            granularity: PAGE,
+        })));
+        let order = StreamOrder::new(1, dev.clone());
+        let (me, consumer) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+        let own = order.entry(me).unwrap();
+        let mut arena = Arena::new(64 * PAGE, PAGE);
+        let mut done = Completion::default();
+        assert_eq!(order.watch_hint.load(Ordering::Relaxed), WATCH_NONE);
+        // The consumer alone (a free with no event): asked.
+        lock(&order.entry(consumer).unwrap().state).frees_in_epoch = true;
+        order.watch_stream(consumer);
+        assert_eq!(order.watch_hint.load(Ordering::Relaxed), consumer.id() + 1);
+        let queries = dev.calls(Op::QueryStream);
+        order.poll_completions(&mut arena, &mut done, true, me.id(), Some(&own));
+        assert_eq!(
+            dev.calls(Op::QueryStream),
+            queries + 1,
+            "the consumer is asked"
+        );
+        assert_eq!(done.observed(consumer.id()), 1);
+        assert_eq!(order.watched_len(), 0, "the consumer is forgotten");
+        assert_eq!(order.watch_hint.load(Ordering::Relaxed), WATCH_NONE);
+        // `me` alone (an event recorded on it): kept, nothing asked.
+        order.record_closing(&mut lock(&own.state)).unwrap();
+        assert_eq!(order.watch_hint.load(Ordering::Relaxed), me.id() + 1);
+        order.poll_completions(&mut arena, &mut done, true, me.id(), Some(&own));
+        assert_eq!(dev.calls(Op::QueryStream), queries + 1);
+        assert_eq!(order.watched_len(), 1, "`me` stays watched");
+        // Both: the consumer is asked again.
+        lock(&order.entry(consumer).unwrap().state).frees_in_epoch = true;
+        order.watch_stream(consumer);
+        assert_eq!(order.watch_hint.load(Ordering::Relaxed), WATCH_MANY);
+        order.poll_completions(&mut arena, &mut done, true, me.id(), Some(&own));
+        assert_eq!(
+            dev.calls(Op::QueryStream),
+            queries + 2,
+            "the consumer is asked"
+        );
+        assert_eq!(
+            order.watched_len(),
+            1,
+            "`me` stays watched, the consumer goes"
+        );
+        assert_eq!(order.watch_hint.load(Ordering::Relaxed), me.id() + 1);
+        for s in [me, consumer] {
+            dev.synchronize_stream(s).unwrap();
+        }
+    }
+
     #[test]
     fn poll_asks_only_watched_streams_and_forgets_the_settled() {
         crate::sync::model(poll_body);

@@ -389,12 +389,14 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
     }
 
     /// The entry with the smallest key.
+    #[cfg(test)]
     pub fn first(&self) -> Option<(K, &V)> {
         let e = self.chunks.first()?.first()?;
         Some((e.0, &e.1))
     }
 
     /// The entry with the largest key.
+    #[cfg(test)]
     pub fn last(&self) -> Option<(K, &V)> {
         let e = self.chunks.last()?.last()?;
         Some((e.0, &e.1))
@@ -416,6 +418,31 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
             Some(c) => (c, self.chunks[c].partition_point(|e| e.0 < *k)),
         };
         Iter { map: self, c, i }
+    }
+
+    /// The first entry from key `k` on for which `f` says `Break`, and
+    /// what it said: [`iter_from`](Self::iter_from) with `find_map`, as a
+    /// loop over each chunk's slice (no per-entry chunk bounds check), for
+    /// long walks.
+    #[inline]
+    pub fn scan_from<R>(
+        &self,
+        k: &K,
+        mut f: impl FnMut(K, &V) -> std::ops::ControlFlow<R>,
+    ) -> Option<R> {
+        let (c, mut i) = match self.chunk_le(k) {
+            None => (0, 0),
+            Some(c) => (c, self.chunks[c].partition_point(|e| e.0 < *k)),
+        };
+        for chunk in self.chunks.get(c..).unwrap_or_default() {
+            for e in chunk.get(i..).unwrap_or_default() {
+                if let std::ops::ControlFlow::Break(r) = f(e.0, &e.1) {
+                    return Some(r);
+                }
+            }
+            i = 0;
+        }
+        None
     }
 
     /// The entries with keys in `[lo, hi)`, in key order.
@@ -667,6 +694,24 @@ mod tests {
                     .iter_from(&q)
                     .map(|(k, &v)| (k, v))
                     .eq(model.range(q..).map(|(&k, &v)| (k, v))));
+                // The first entry from q on whose value is divisible by
+                // 3, or none: the scan agrees with the model, and the
+                // entries it visited are those before it, in order.
+                let mut seen = Vec::new();
+                let found = map.scan_from(&q, |k, &v| {
+                    seen.push(k);
+                    if v % 3 == 0 {
+                        std::ops::ControlFlow::Break((k, v))
+                    } else {
+                        std::ops::ControlFlow::Continue(())
+                    }
+                });
+                let want = model.range(q..).find(|(_, &v)| v % 3 == 0);
+                assert_eq!(found, kv(want));
+                assert!(seen.iter().copied().eq(model
+                    .range(q..)
+                    .map(|(&k, _)| k)
+                    .take_while(|&k| want.is_none_or(|(&w, _)| k <= w))));
                 assert_eq!(map.first().map(|(k, &v)| (k, v)), kv(model.iter().next()));
                 assert_eq!(
                     map.last().map(|(k, &v)| (k, v)),

@@ -77,7 +77,8 @@ pub(crate) struct Ctx<'a, D: Device> {
 
 const HELD: &str = "the arena lock is held between steps";
 
-/// Find `len` bytes for `stream` (its private cache already missed).
+/// Find `len` bytes for `stream` (its private cache already missed), whose
+/// waits through the pool are `clock` (read when the allocation began).
 /// Returns the offset of the block in the arena. An out-of-memory report
 /// leaves `used` for the caller to fill in (it needs no arena lock).
 pub(crate) fn acquire<'a, D: Device>(
@@ -86,8 +87,8 @@ pub(crate) fn acquire<'a, D: Device>(
     stream: Stream,
     entry: &'a Arc<StreamEntry>,
     reuse: ReusePolicy,
+    clock: VectorClock,
 ) -> Result<usize, PoolError> {
-    let clock = lock(&entry.state).clock.clone();
     let st = lock(pool.arena);
     let mut cx = Ctx {
         pool,

@@ -10,7 +10,7 @@ use crate::arena::{Arena, Guard};
 use crate::capture::{AllocRoute, CaptureTag};
 use crate::config::{PoolConfig, ReusePolicy};
 use crate::error::PoolError;
-use crate::ordering::{CachedBlock, EventRecord, Reach, StreamEntry, StreamOrder};
+use crate::ordering::{CachedBlock, EventRecord, Reach, StreamEntry, StreamOrder, VectorClock};
 use crate::pages::Pages;
 use crate::placement::ArenaState;
 use crate::raw::{RawSize, RawTable};
@@ -462,19 +462,20 @@ impl<D: Device> MemPool<D> {
         let entry = inner.order.entry(stream)?;
         // A retire racing this allocation cannot have the entry forgotten
         // (its counters folded) before the allocation is counted there.
-        let _in_flight = crate::ordering::AllocInFlight::mark(&entry, stream)?;
+        let (in_flight, clock) = crate::ordering::AllocInFlight::mark(&entry, stream)?;
         if !checked {
             if let Some(offset) = inner.take_cached(&entry, stream, size, len)? {
                 return Ok(self.allocation_at(offset, size, stream));
             }
         }
         let reuse = inner.reuse();
-        if reuse.follow_event_dependencies {
-            if let Some(offset) = inner.take_followed(&entry, stream, size, len) {
+        if reuse.follow_event_dependencies && !clock.is_empty() {
+            if let Some(offset) = inner.take_followed(&entry, stream, size, len, &clock) {
                 return Ok(self.allocation_at(offset, size, stream));
             }
         }
-        let offset = match crate::policy::acquire(inner.parts(), len, stream, &entry, reuse) {
+        let offset = match crate::policy::acquire(inner.parts(), len, stream, &entry, reuse, clock)
+        {
             Ok(off) => off,
             Err(mut e) => {
                 if let PoolError::OutOfMemory(report) = &mut e {
@@ -488,9 +489,12 @@ impl<D: Device> MemPool<D> {
                 return Err(e);
             }
         };
-        let missing = inner
-            .counters
-            .on_alloc(&mut lock(&entry.state).counters, size as u64, false);
+        // Counted, and the mark ended, under one lock of the stream.
+        let missing = in_flight.finish(|st| {
+            inner
+                .counters
+                .on_alloc(&mut st.counters, size as u64, false)
+        });
         inner.claim_headroom(missing);
         if inner.order.retired_waiting() {
             // The policy may have seen their last events complete.
@@ -1301,14 +1305,8 @@ impl<D: Device> PoolInner<D> {
         stream: Stream,
         size: usize,
         len: usize,
+        clock: &VectorClock,
     ) -> Option<usize> {
-        let clock = {
-            let st = lock(&entry.state);
-            if st.retired || st.clock.is_empty() {
-                return None;
-            }
-            st.clock.clone()
-        };
         let me = stream.id();
         let (block, from) = clock
             .iter()

@@ -49,6 +49,8 @@ struct StreamModel {
     /// For each other stream, the highest position this stream's tail is
     /// ordered after.
     clock: Clock,
+    /// How many times the pool asked whether the stream's work is done.
+    queries: u64,
 }
 
 #[derive(Debug)]
@@ -329,6 +331,15 @@ impl ModelDevice {
         true
     }
 
+    /// How many times the pool asked whether `stream`'s work is done
+    /// (`query_stream`).
+    pub fn stream_queries(&self, stream: Stream) -> u64 {
+        lock(&self.st)
+            .streams
+            .get(&stream.0)
+            .map_or(0, |m| m.queries)
+    }
+
     /// Counters of what was created and released.
     pub fn counts(&self) -> Counts {
         let st = lock(&self.st);
@@ -534,6 +545,7 @@ impl Device for ModelDevice {
         let mut st = lock(&self.st);
         st.progress();
         let m = st.stream(Op::QueryStream, stream)?;
+        m.queries += 1;
         Ok(m.done >= m.issued)
     }
 

@@ -25,6 +25,13 @@ mod tests {
     // The same scenarios, on std threads, a few times each (one sampled
     // interleaving per run; loom explores them all).
     #[test]
+    fn watch_hint_free_vs_poll_std() {
+        for _ in 0..20 {
+            scenarios::watch_hint_free_vs_poll();
+        }
+    }
+
+    #[test]
     fn shard_alloc_free_std() {
         for _ in 0..20 {
             scenarios::shard_alloc_free();

@@ -544,3 +544,56 @@ pub fn watch_free_vs_poll() -> bool {
     teardown(dev, pool);
     reused
 }
+
+/// (m) A consumer's free joins the watch list (its stream never
+/// allocated: the free goes to the arena) while the producer's slow
+/// allocation polls it; the watch list's one-word summary, read with no
+/// lock, must not lose the consumer: the producer's next slow allocation,
+/// once both are done, asks the consumer's stream whether its work is
+/// done. Returns whether the allocation during the free saw the list with
+/// the consumer in it.
+pub fn watch_hint_free_vs_poll() -> bool {
+    let (dev, pool) = setup(1 << 20);
+    let p = dev.create_stream().unwrap();
+    let c = dev.create_stream().unwrap();
+    let x = alloc(&dev, &pool, 1024, p);
+    // A block of another length in the producer's cache: its next
+    // allocations miss the cache and fit in what is mapped.
+    let w = alloc(&dev, &pool, 2048, p);
+    free(&dev, &pool, w, p);
+    let ev = pool.record_event(p).unwrap();
+    pool.wait_event(c, &ev).unwrap();
+    drop(ev);
+    dev.set_busy(c, true);
+    let t1 = {
+        let (dev, pool) = (dev.clone(), pool.clone());
+        thread::spawn(move || {
+            dev.unclaim(x.ptr(), p);
+            dev.claim(x.ptr(), x.size(), c);
+            dev.launch(c);
+            free(&dev, &pool, x, c);
+        })
+    };
+    let t2 = {
+        let (dev, pool) = (dev.clone(), pool.clone());
+        thread::spawn(move || {
+            let asked = dev.stream_queries(c);
+            let y = alloc(&dev, &pool, 1536, p);
+            (y, dev.stream_queries(c) > asked)
+        })
+    };
+    t1.join().unwrap();
+    let (y, saw) = t2.join().unwrap();
+    let asked = dev.stream_queries(c);
+    let z = alloc(&dev, &pool, 512, p);
+    assert!(
+        dev.stream_queries(c) > asked,
+        "the watched consumer was not polled by the next slow allocation"
+    );
+    dev.set_busy(c, false);
+    free(&dev, &pool, y, p);
+    free(&dev, &pool, z, p);
+    dev.complete_all();
+    teardown(dev, pool);
+    saw
+}

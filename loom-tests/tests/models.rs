@@ -135,3 +135,21 @@ fn l_watch_free_vs_poll() {
     // Some interleaving lets the poll see the free complete.
     assert!(reused.load(Ordering::Relaxed) > 0);
 }
+
+#[test]
+fn m_watch_hint_free_vs_poll() {
+    let saw = std::sync::Arc::new(AtomicUsize::new(0));
+    let r = saw.clone();
+    let runs = std::sync::Arc::new(AtomicUsize::new(0));
+    let n = runs.clone();
+    loom::model(move || {
+        n.fetch_add(1, Ordering::Relaxed);
+        if scenarios::watch_hint_free_vs_poll() {
+            r.fetch_add(1, Ordering::Relaxed);
+        }
+    });
+    let (saw, runs) = (saw.load(Ordering::Relaxed), runs.load(Ordering::Relaxed));
+    eprintln!("watch_hint_free_vs_poll: {runs} executions, {saw} where the poll saw the free");
+    // Both orders of the free's watch and the poll are explored.
+    assert!(saw > 0 && saw < runs, "both orders must be explored");
+}
