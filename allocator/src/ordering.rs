@@ -1616,9 +1616,6 @@ mod tests {
         dev.synchronize_stream(s).unwrap();
     }
 
-    /// The poll asks only the watched streams, each once, forgets those
-    /// whose frees it saw complete, and never asks about the allocating
-    /// stream's own frees; what it learns upgrades that stream's ranges.
     /// The watch list's one-word summary: with the allocating stream
     /// alone watched a poll asks nothing and keeps it; with another stream
     /// alone watched, or several, the poll asks that stream.
@@ -1680,6 +1677,9 @@ mod tests {
         }
     }
 
+    /// The poll asks only the watched streams, each once, forgets those
+    /// whose frees it saw complete, and never asks about the allocating
+    /// stream's own frees; what it learns upgrades that stream's ranges.
     #[test]
     fn poll_asks_only_watched_streams_and_forgets_the_settled() {
         crate::sync::model(poll_body);
