@@ -12,7 +12,7 @@
 mod common;
 
 use common::{host_with_capacity, tag_kernel, Blocker, Rng};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 use tidepool::{Allocation, MemPool, PoolConfig, PoolEvent};
@@ -208,6 +208,60 @@ fn threads_handing_blocks_around_never_see_a_foreign_write() {
         st.reserved_high <= 512 * MIB as u64,
         "footprint grew to {st}"
     );
+    pool.trim_to(0).unwrap();
+    let st = pool.stats();
+    assert_eq!((st.used_current, st.reserved_current), (0, 0), "{st}");
+}
+
+/// Allocations racing the retirement of their stream: each either fails
+/// with the stream retired or is counted, so that once everything is
+/// freed (on a live stream) and trimmed the pool holds nothing, counts
+/// nothing in use and as many frees as allocations.
+#[test]
+fn allocations_racing_a_retire_are_all_counted() {
+    let dev = Arc::new(host_with_capacity(1 << 30));
+    let pool =
+        Arc::new(MemPool::new(dev.clone(), PoolConfig::default().with_va_size(4 << 30)).unwrap());
+    let keeper = dev.create_stream().unwrap();
+    for round in 0..40 {
+        let s = dev.create_stream().unwrap();
+        // Frees of the stream, cached, so that the retire has work.
+        for &size in &SIZES[..4] {
+            let x = pool.alloc_async(size, s).unwrap();
+            pool.free_async(x, s).unwrap();
+        }
+        let made = Arc::new(AtomicUsize::new(0));
+        let allocator = {
+            let (pool, made) = (pool.clone(), made.clone());
+            std::thread::spawn(move || {
+                let mut got = Vec::new();
+                for i in 0..400 {
+                    match pool.alloc_async(SIZES[i % 4], s) {
+                        Ok(x) => got.push(x),
+                        Err(tidepool::PoolError::StreamRetired { .. }) => break,
+                        Err(e) => panic!("allocation {i}: {e}"),
+                    }
+                    made.store(i + 1, Ordering::Release);
+                }
+                got
+            })
+        };
+        // Retire once the thread made a number of allocations that
+        // depends on the round; it goes on allocating meanwhile.
+        while made.load(Ordering::Acquire) < 1 + round * 5 {
+            std::thread::yield_now();
+        }
+        pool.retire_stream(s).unwrap();
+        let got = allocator.join().unwrap();
+        dev.synchronize_stream(s).unwrap();
+        for x in got {
+            pool.free_async(x, keeper).unwrap();
+        }
+        pool.synchronize().unwrap();
+        let st = pool.stats();
+        assert_eq!(st.used_current, 0, "round {round}: {st}");
+        assert_eq!(st.allocs, st.frees, "round {round}: {st}");
+    }
     pool.trim_to(0).unwrap();
     let st = pool.stats();
     assert_eq!((st.used_current, st.reserved_current), (0, 0), "{st}");
