@@ -446,7 +446,18 @@ fn producer_consumer_threads_keep_a_bounded_footprint() {
             }));
         })
         .unwrap();
-        checks.push(crx);
+        checks.push((i, crx));
+        // At most 4 checks outstanding: the work queued on the consumer
+        // (and so what the producer cannot reuse yet) stays bounded
+        // however the threads are scheduled.
+        if checks.len() > 4 {
+            let (j, oldest) = checks.remove(0);
+            assert_eq!(
+                oldest.recv().unwrap(),
+                Ok(true),
+                "block {j}: consumer saw the producer's tag"
+            );
+        }
         if i % 4 == 0 {
             // The consumer records events of its own too.
             drop(pool.record_event(c).unwrap());
@@ -455,7 +466,7 @@ fn producer_consumer_threads_keep_a_bounded_footprint() {
     }
     producer.join().unwrap();
     selfish.join().unwrap();
-    for (i, crx) in checks.into_iter().enumerate() {
+    for (i, crx) in checks {
         assert_eq!(
             crx.recv().unwrap(),
             Ok(true),
