@@ -18,8 +18,10 @@
 //! 6. on growth failure, other pools of the device release their cached
 //!    memory, then growth again ([`other_pools_release`]);
 //! 7. internal dependency: the stream waits for the pending frees (of one
-//!    stream or several) in a run of adjacent free ranges, and takes it
-//!    ([`internal_dependency`]);
+//!    stream or several) in a run of adjacent free ranges, and takes it;
+//!    where no run is long enough on its own, it waits for every other
+//!    stream's pending frees and steps 4 and 5 run again, so that a window
+//!    over pending frees and new pages can be had ([`internal_dependency`]);
 //! 8. last resort: wait on the host, bounded, with no lock held, for
 //!    pending frees (the allocating stream's own too: joining them into one
 //!    range remaps their pages), then steps 1–5 and 7 again
@@ -209,12 +211,51 @@ fn other_pools_release<D: Device>(
     }
 }
 
-/// Step 7 when the switch allows it.
+/// Step 7 when the switch allows it: a run of free ranges long enough on
+/// its own, else pending frees joined with growth.
 fn internal_dependency<D: Device>(cx: &mut Ctx<'_, D>) -> Result<Option<usize>, PoolError> {
     if !cx.reuse.internal_dependencies {
         return Ok(None);
     }
-    take_with_dependency(cx)
+    if let Some(off) = take_with_dependency(cx)? {
+        return Ok(Some(off));
+    }
+    grow_with_dependency(cx)
+}
+
+/// Step 7 where no run of free ranges is long enough on its own, but one
+/// with holes beside it is (pending frees plus the growth the cap still
+/// allows): the stream waits, on the device, for every other stream's
+/// recorded frees, and steps 4 and 5 run again with the ranges those
+/// waits make usable in place. Waiting for more than the window ends up
+/// using only orders the stream later than it had to be, and only on the
+/// way to an out-of-memory error; the host wait of step 8 would block the
+/// caller for the same frees.
+fn grow_with_dependency<D: Device>(cx: &mut Ctx<'_, D>) -> Result<Option<usize>, PoolError> {
+    let records: Vec<_> = cx
+        .pool
+        .order
+        .pending_records()
+        .into_iter()
+        .filter(|r| r.stream.id() != cx.me && cx.clock.get(r.stream.id()) < r.epoch)
+        .collect();
+    if records.is_empty() {
+        return Ok(None);
+    }
+    for record in &records {
+        cx.pool.device.wait_event(cx.stream, record.event)?;
+        lock(&cx.entry.state).clock.merge(&record.clock);
+        cx.clock.merge(&record.clock);
+        Counters::bump(&cx.pool.counters.internal_dependencies);
+        tracing::debug!(
+            pool = cx.pool.id,
+            stream = cx.me,
+            donor = record.stream.id(),
+            len = cx.len,
+            "inserted an internal dependency to grow beside pending frees"
+        );
+    }
+    stitch_or_grow(cx)
 }
 
 /// Step 8: bounded host wait for pending frees (every stream's, the

@@ -853,3 +853,51 @@ fn a_capped_huge_request_waits_for_a_busy_huge_free() {
     pool.free_async(y, b).unwrap();
     empty_after_trim(&pool, "capped huge wait");
 }
+
+/// Under a cap, a huge request larger than a huge free still pending on a
+/// busy stream, but within that free plus the growth the cap allows, gets
+/// the free through an inserted dependency and grows the rest next to it,
+/// not an out-of-memory: 640 MiB pending, 384 MiB of growth left, 768 MiB
+/// asked. The busy stream's kernels, queued before its free, run before
+/// the new owner's.
+#[test]
+fn a_capped_huge_request_grows_next_to_a_busy_huge_free() {
+    let dev = Arc::new(host_with_capacity(2 << 30));
+    let cfg = PoolConfig::default()
+        .with_va_size(16 << 30)
+        .with_max_size(1 << 30);
+    let pool = MemPool::new(dev.clone(), cfg).unwrap();
+    let ss = streams(&*dev, 2);
+    let (a, b) = (ss[0], ss[1]);
+    let per_page = |x: &Allocation, s, tag| -> Vec<Receiver<bool>> {
+        (0..x.size() / PAGE)
+            .map(|k| tag_kernel(&dev, s, x.ptr() + (k * PAGE) as u64, 16, tag))
+            .collect()
+    };
+    let mut blocker = Blocker::on(&*dev, a);
+    let x = pool.alloc_async(640 * MIB, a).unwrap();
+    let mut ran = per_page(&x, a, 0xAAAA_0003);
+    pool.free_async(x, a).unwrap();
+    let y = pool.alloc_async(768 * MIB, b).unwrap_or_else(|e| {
+        panic!(
+            "the pending free plus growth covers it: {e}; {}",
+            pool.stats()
+        )
+    });
+    assert!(pool.stats().internal_dependencies >= 1, "{}", pool.stats());
+    assert!(pool.stats().reserved_current <= 1 << 30, "{}", pool.stats());
+    ran.extend(per_page(&y, b, 0xBBBB_0004));
+    blocker.release();
+    for r in ran {
+        assert!(r.recv().unwrap(), "a kernel found its pages unmapped");
+    }
+    for k in 0..y.size() / PAGE {
+        let got = dev.read_words(y.ptr() + (k * PAGE) as u64, 16).unwrap();
+        assert!(
+            got.iter().all(|&w| w == 0xBBBB_0004),
+            "page {k} of b's block: a's kernel ran after b's"
+        );
+    }
+    pool.free_async(y, b).unwrap();
+    empty_after_trim(&pool, "capped huge growth next to a wait");
+}
