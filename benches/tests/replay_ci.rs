@@ -26,8 +26,8 @@ const MAX_WARM_BINDS: u64 = 50;
 const MAX_FIXED_SECOND_PASS_BINDS: u64 = 520;
 
 /// Most page binds each later warm pass of gpt2-fixed may make: 78
-/// measured (before the huge windows kept their ghosts: 1089 and 624 on
-/// passes 3 and 4).
+/// measured (with huge windows weighing no ghost, 1089 and 624 on passes
+/// 3 and 4).
 const MAX_FIXED_LATER_PASS_BINDS: u64 = 100;
 
 fn trace_path(name: &str) -> PathBuf {
@@ -129,9 +129,9 @@ fn gpt2_varlen_fresh_on_host_within_target() {
     check("gpt2-varlen.csv.gz", 1, &[]);
 }
 
-/// Warm passes of the fragmentation case (missed the target until 2bd3bfd:
-/// 1.023-1.028 on passes 2-3; now 1.0123), and at most 50 page binds in
-/// each warm pass (the pages a loop needs stay mapped where it needs them).
+/// Warm passes of the fragmentation case (1.0123 of peak live measured),
+/// and at most 50 page binds in each warm pass (the pages a loop needs
+/// stay mapped where it needs them).
 #[test]
 fn gpt2_varlen_warm_on_host_within_target() {
     check("gpt2-varlen.csv.gz", 3, &[MAX_WARM_BINDS, MAX_WARM_BINDS]);
