@@ -810,12 +810,12 @@ fn many_large_lengths_flushed_and_freed_again_are_never_handed_twice() {
     empty_after_trim(&pool, "many lengths");
 }
 
-/// Under a cap, a huge request that only fits in a huge free still
-/// pending on a busy stream gets it through an inserted dependency, not
-/// an out-of-memory: the kernels of the busy stream, queued before its
-/// free, run before the new owner's, whose tags are the ones left.
-#[test]
-fn a_capped_huge_request_waits_for_a_busy_huge_free() {
+/// Under a cap of 1 GiB, 640 MiB freed on a busy stream `a`, then
+/// `request` bytes asked on stream `b`: the request gets the pending free
+/// through an inserted dependency (plus growth where it is larger), not an
+/// out-of-memory, and the kernels of `a`, queued before its free, run
+/// before those of `b`, whose tags are the ones left.
+fn capped_huge_request_over_a_busy_huge_free(request: usize, tags: (u32, u32), what: &str) {
     let dev = Arc::new(host_with_capacity(2 << 30));
     let cfg = PoolConfig::default()
         .with_va_size(16 << 30)
@@ -830,63 +830,14 @@ fn a_capped_huge_request_waits_for_a_busy_huge_free() {
     };
     let mut blocker = Blocker::on(&*dev, a);
     let x = pool.alloc_async(640 * MIB, a).unwrap();
-    let mut ran = per_page(&x, a, 0xAAAA_0001);
+    let mut ran = per_page(&x, a, tags.0);
     pool.free_async(x, a).unwrap();
-    // 640 MiB pending on `a`; the cap leaves 384 MiB to grow: 600 MiB
-    // fit only in the pending free.
     let y = pool
-        .alloc_async(600 * MIB, b)
-        .unwrap_or_else(|e| panic!("a pending free covers it: {e}; {}", pool.stats()));
-    assert!(pool.stats().internal_dependencies >= 1, "{}", pool.stats());
-    ran.extend(per_page(&y, b, 0xBBBB_0002));
-    blocker.release();
-    for r in ran {
-        assert!(r.recv().unwrap(), "a kernel found its pages unmapped");
-    }
-    for k in 0..y.size() / PAGE {
-        let got = dev.read_words(y.ptr() + (k * PAGE) as u64, 16).unwrap();
-        assert!(
-            got.iter().all(|&w| w == 0xBBBB_0002),
-            "page {k} of b's block: a's kernel ran after b's"
-        );
-    }
-    pool.free_async(y, b).unwrap();
-    empty_after_trim(&pool, "capped huge wait");
-}
-
-/// Under a cap, a huge request larger than a huge free still pending on a
-/// busy stream, but within that free plus the growth the cap allows, gets
-/// the free through an inserted dependency and grows the rest next to it,
-/// not an out-of-memory: 640 MiB pending, 384 MiB of growth left, 768 MiB
-/// asked. The busy stream's kernels, queued before its free, run before
-/// the new owner's.
-#[test]
-fn a_capped_huge_request_grows_next_to_a_busy_huge_free() {
-    let dev = Arc::new(host_with_capacity(2 << 30));
-    let cfg = PoolConfig::default()
-        .with_va_size(16 << 30)
-        .with_max_size(1 << 30);
-    let pool = MemPool::new(dev.clone(), cfg).unwrap();
-    let ss = streams(&*dev, 2);
-    let (a, b) = (ss[0], ss[1]);
-    let per_page = |x: &Allocation, s, tag| -> Vec<Receiver<bool>> {
-        (0..x.size() / PAGE)
-            .map(|k| tag_kernel(&dev, s, x.ptr() + (k * PAGE) as u64, 16, tag))
-            .collect()
-    };
-    let mut blocker = Blocker::on(&*dev, a);
-    let x = pool.alloc_async(640 * MIB, a).unwrap();
-    let mut ran = per_page(&x, a, 0xAAAA_0003);
-    pool.free_async(x, a).unwrap();
-    let y = pool.alloc_async(768 * MIB, b).unwrap_or_else(|e| {
-        panic!(
-            "the pending free plus growth covers it: {e}; {}",
-            pool.stats()
-        )
-    });
+        .alloc_async(request, b)
+        .unwrap_or_else(|e| panic!("{what}: {e}; {}", pool.stats()));
     assert!(pool.stats().internal_dependencies >= 1, "{}", pool.stats());
     assert!(pool.stats().reserved_current <= 1 << 30, "{}", pool.stats());
-    ran.extend(per_page(&y, b, 0xBBBB_0004));
+    ran.extend(per_page(&y, b, tags.1));
     blocker.release();
     for r in ran {
         assert!(r.recv().unwrap(), "a kernel found its pages unmapped");
@@ -894,10 +845,30 @@ fn a_capped_huge_request_grows_next_to_a_busy_huge_free() {
     for k in 0..y.size() / PAGE {
         let got = dev.read_words(y.ptr() + (k * PAGE) as u64, 16).unwrap();
         assert!(
-            got.iter().all(|&w| w == 0xBBBB_0004),
+            got.iter().all(|&w| w == tags.1),
             "page {k} of b's block: a's kernel ran after b's"
         );
     }
     pool.free_async(y, b).unwrap();
-    empty_after_trim(&pool, "capped huge growth next to a wait");
+    empty_after_trim(&pool, what);
+}
+
+/// 600 MiB fit only in the pending free (the cap leaves 384 MiB to grow).
+#[test]
+fn a_capped_huge_request_waits_for_a_busy_huge_free() {
+    capped_huge_request_over_a_busy_huge_free(
+        600 * MIB,
+        (0xAAAA_0001, 0xBBBB_0002),
+        "a pending free covers it",
+    );
+}
+
+/// 768 MiB fit only in the pending free plus 128 MiB of growth beside it.
+#[test]
+fn a_capped_huge_request_grows_next_to_a_busy_huge_free() {
+    capped_huge_request_over_a_busy_huge_free(
+        768 * MIB,
+        (0xAAAA_0003, 0xBBBB_0004),
+        "the pending free plus growth covers it",
+    );
 }
