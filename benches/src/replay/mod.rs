@@ -3,7 +3,8 @@
 //! - [`trace`]: parse `op,id,size,stream` CSV (plain or gzip) into memory;
 //! - [`run`]: the [`ReplayAllocator`] abstraction and the timed replay loop;
 //! - [`report`]: JSON lines and tables;
-//! - [`plot`]: SVG timelines of live and reserved bytes.
+//! - [`plot`]: SVG timelines of live and reserved bytes;
+//! - [`timed`]: a device wrapper that counts and times driver calls.
 
 pub mod allocators;
 pub mod plot;
@@ -11,6 +12,7 @@ pub mod report;
 pub mod run;
 pub mod session;
 pub mod tidepool_alloc;
+pub mod timed;
 pub mod trace;
 
 pub use run::{

@@ -1,6 +1,7 @@
 //! Formatting of replay results: one JSON object a line, or a table.
 
 use super::run::PassResult;
+use super::timed::{DriverOp, DriverStat};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -36,6 +37,16 @@ struct JsonRecord<'a> {
     wall_s: f64,
     #[serde(flatten)]
     counters: BTreeMap<&'static str, u64>,
+    /// Driver calls of the pass per kind (see [`crate::replay::timed`]):
+    /// the kinds a pool calls per page always, the others where called.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    driver_calls: Option<BTreeMap<&'static str, u64>>,
+    /// Milliseconds spent in those calls, per kind.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    driver_ms: Option<BTreeMap<&'static str, f64>>,
+    /// The sum of `driver_ms`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    driver_ms_total: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     note: Option<&'a str>,
 }
@@ -67,11 +78,35 @@ impl Record {
             ops_per_sec: r.ops_per_sec(),
             wall_s: r.wall.as_secs_f64(),
             counters: r.counters.iter().copied().collect(),
+            driver_calls: (!r.driver.is_empty())
+                .then(|| reported(r).map(|(n, s)| (n, s.calls)).collect()),
+            driver_ms: (!r.driver.is_empty())
+                .then(|| reported(r).map(|(n, s)| (n, ms(s.nanos))).collect()),
+            driver_ms_total: (!r.driver.is_empty()).then(|| ms(r.driver_wall().as_nanos() as u64)),
             note: self.note.as_deref(),
         };
         // Serialising plain numbers, strings and a string-keyed map cannot fail.
         serde_json::to_string(&rec).unwrap_or_default()
     }
+}
+
+/// The driver kinds a record reports: those a pool calls per page, and
+/// any other that was called during the pass.
+fn reported(r: &PassResult) -> impl Iterator<Item = (&'static str, DriverStat)> + '_ {
+    r.driver
+        .iter()
+        .filter(|(name, s)| s.calls > 0 || is_per_page(name))
+        .copied()
+}
+
+fn is_per_page(name: &str) -> bool {
+    DriverOp::ALL
+        .iter()
+        .any(|op| op.name() == name && op.per_page())
+}
+
+fn ms(nanos: u64) -> f64 {
+    nanos as f64 / 1e6
 }
 
 /// Bytes as MiB with one decimal.
@@ -172,6 +207,36 @@ pub fn table(records: &[Record]) -> String {
     notes.dedup();
     for (alloc, note) in notes {
         let _ = writeln!(out, "* {alloc}: {note}");
+    }
+    let timed: Vec<&Record> = records
+        .iter()
+        .filter(|r| !r.result.driver.is_empty())
+        .collect();
+    if !timed.is_empty() {
+        out.push_str("driver calls (calls / ms) and their share of the pass's wall time:\n");
+    }
+    for rec in timed {
+        let r = &rec.result;
+        let wall = r.wall.as_secs_f64();
+        let driver = r.driver_wall().as_secs_f64();
+        let kinds: Vec<String> = reported(r)
+            .map(|(name, s)| format!("{name} {} / {:.2}", s.calls, ms(s.nanos)))
+            .collect();
+        let _ = writeln!(
+            out,
+            "  {} / {} pass {}: {:.2} of {:.2} ms ({:.0}%): {}",
+            rec.trace,
+            rec.allocator,
+            r.pass,
+            driver * 1e3,
+            wall * 1e3,
+            if wall > 0.0 {
+                100.0 * driver / wall
+            } else {
+                0.0
+            },
+            kinds.join(", ")
+        );
     }
     for rec in records.iter().filter(|r| !r.is_valid()) {
         let _ = writeln!(

@@ -1,5 +1,6 @@
 //! The replay loop and the allocator abstraction it drives.
 
+use super::timed::DriverStat;
 use super::trace::{Trace, TraceOp};
 use std::fmt;
 use std::time::{Duration, Instant};
@@ -59,6 +60,13 @@ pub trait ReplayAllocator {
     fn counters(&self) -> Vec<(&'static str, u64)> {
         Vec::new()
     }
+    /// Cumulative driver calls and the time spent in them, per kind
+    /// (name, stat), reported per pass as the difference over the pass.
+    /// None by default; tidepool reports its device's through
+    /// [`super::timed::Timed`].
+    fn driver_stats(&self) -> Vec<(&'static str, DriverStat)> {
+        Vec::new()
+    }
 }
 
 /// One sample of a replay timeline (taken between timed chunks).
@@ -102,6 +110,10 @@ pub struct PassResult {
     /// The allocator's own counters over this pass (name, increase), e.g.
     /// tidepool's page remaps and rebinds.
     pub counters: Vec<(&'static str, u64)>,
+    /// The allocator's driver calls over this pass (name, calls and
+    /// nanoseconds spent in them), where it reports them. Counted over the
+    /// timed loop only, like `counters`.
+    pub driver: Vec<(&'static str, DriverStat)>,
 }
 
 impl PassResult {
@@ -112,6 +124,12 @@ impl PassResult {
         } else {
             self.peak_reserved_bytes as f64 / self.peak_live_bytes as f64
         }
+    }
+
+    /// Wall time of the pass spent in driver calls (zero where the
+    /// allocator reports none).
+    pub fn driver_wall(&self) -> Duration {
+        Duration::from_nanos(self.driver.iter().map(|(_, s)| s.nanos).sum())
     }
 
     pub fn ops_per_sec(&self) -> f64 {
@@ -176,6 +194,7 @@ impl<'t, A: ReplayAllocator> Replayer<'t, A> {
             });
         }
         let counters_before = self.allocator.counters();
+        let driver_before = self.allocator.driver_stats();
         let mut wall = Duration::ZERO;
         let mut ooms = 0u64;
         let mut done = 0usize;
@@ -240,6 +259,21 @@ impl<'t, A: ReplayAllocator> Replayer<'t, A> {
                 (name, now.saturating_sub(before))
             })
             .collect();
+        let driver = allocator
+            .driver_stats()
+            .into_iter()
+            .map(|(name, now)| {
+                let before = driver_before
+                    .iter()
+                    .find(|(n, _)| *n == name)
+                    .map_or(DriverStat::default(), |&(_, v)| v);
+                let stat = DriverStat {
+                    calls: now.calls.saturating_sub(before.calls),
+                    nanos: now.nanos.saturating_sub(before.nanos),
+                };
+                (name, stat)
+            })
+            .collect();
         self.free_all()?;
         self.allocator.synchronize()?;
         Ok(PassResult {
@@ -251,6 +285,7 @@ impl<'t, A: ReplayAllocator> Replayer<'t, A> {
             wall,
             samples,
             counters,
+            driver,
         })
     }
 

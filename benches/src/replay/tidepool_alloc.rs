@@ -2,16 +2,20 @@
 
 use super::allocators::Streams;
 use super::run::{AllocError, ReplayAllocator, ReplayError};
+use super::timed::{DriverStat, Timed};
 use std::sync::Arc;
 use tidepool::{Allocation, MemPool, PoolConfig, PoolError};
 use tidepool_sys::Device;
 
 /// A tidepool pool with the default configuration, one device stream per
-/// trace stream; tidepool's reserved-high statistic as peak reserved.
+/// trace stream; tidepool's reserved-high statistic as peak reserved. The
+/// pool's device is wrapped in [`Timed`], so each pass reports the driver
+/// calls the pool made and the time spent in them.
 pub struct TidepoolAlloc<D: Device> {
     // Field order: the pool is dropped before the streams.
-    pool: MemPool<D>,
-    streams: Streams<D>,
+    pool: MemPool<Timed<D>>,
+    streams: Streams<Timed<D>>,
+    device: Arc<Timed<D>>,
 }
 
 impl<D: Device> TidepoolAlloc<D> {
@@ -24,15 +28,25 @@ impl<D: Device> TidepoolAlloc<D> {
         trace_streams: usize,
         config: PoolConfig,
     ) -> Result<Self, ReplayError> {
+        let device = Arc::new(Timed::new(device));
         let streams = Streams::new(device.clone(), trace_streams)?;
-        let pool = MemPool::new(device, config)
+        let pool = MemPool::new(device.clone(), config)
             .map_err(|e| ReplayError(format!("creating a tidepool pool: {e}")))?;
-        Ok(TidepoolAlloc { pool, streams })
+        Ok(TidepoolAlloc {
+            pool,
+            streams,
+            device,
+        })
     }
 
     /// The pool, for statistics beyond the replay's.
-    pub fn pool(&self) -> &MemPool<D> {
+    pub fn pool(&self) -> &MemPool<Timed<D>> {
         &self.pool
+    }
+
+    /// The pool's device: the wrapper that counts and times its calls.
+    pub fn device(&self) -> &Arc<Timed<D>> {
+        &self.device
     }
 
     /// The device streams, one per trace stream (index = the trace's dense
@@ -116,5 +130,13 @@ impl<D: Device> ReplayAllocator for TidepoolAlloc<D> {
             ("growths", s.growths),
             ("cache_hits", s.cache_hits),
         ]
+    }
+
+    fn driver_stats(&self) -> Vec<(&'static str, DriverStat)> {
+        self.device
+            .stats()
+            .into_iter()
+            .map(|(op, stat)| (op.name(), stat))
+            .collect()
     }
 }
