@@ -662,6 +662,8 @@ pub(crate) struct Arena {
     pending: PendingIndex,
     /// Reused by `settle` (no allocation per call).
     settle_scratch: Vec<(usize, Guard, Guard)>,
+    /// Reused by `give_back_stream`: (start, length, epoch) of each block.
+    batch_scratch: Vec<(usize, usize, u64)>,
     reserved: u64,
     reserved_high: u64,
     growths: u64,
@@ -692,6 +694,7 @@ impl Arena {
             idle_clock: 0,
             pending: PendingIndex::default(),
             settle_scratch: Vec::new(),
+            batch_scratch: Vec::new(),
             reserved: 0,
             reserved_high: 0,
             growths: 0,
@@ -1246,6 +1249,57 @@ impl Arena {
     /// Return a block to the free ranges under `guard`.
     pub fn give_back(&mut self, off: usize, len: usize, guard: Guard) {
         self.drop_users(off, len);
+        self.free_span(off, len, guard);
+    }
+
+    /// Give back blocks of one stream, each under `After { stream, epoch
+    /// }` with its own epoch: `fill` pushes them as (start, length, epoch).
+    /// The arena ends as one [`give_back`](Self::give_back) per block in
+    /// the order pushed would leave it (the same free ranges and guards,
+    /// runs, gaps and idle stamps), but blocks that touch each other are
+    /// first joined into one span, which then costs one insertion into
+    /// the maps instead of one per block. The order does not matter for
+    /// the maps: adjacent free ranges end merged wherever their guards
+    /// allow, whatever order they came in (merging is transitive, and the
+    /// merged epoch is the latest), so only the idle stamps, given page
+    /// by page, follow the order pushed. Returns how many blocks there
+    /// were.
+    pub fn give_back_stream(
+        &mut self,
+        stream: u64,
+        fill: impl FnOnce(&mut Vec<(usize, usize, u64)>),
+    ) -> usize {
+        let mut blocks = std::mem::take(&mut self.batch_scratch);
+        blocks.clear();
+        fill(&mut blocks);
+        let n = blocks.len();
+        let guard = |epoch| Guard::After { stream, epoch };
+        if let [(off, len, epoch)] = blocks[..] {
+            self.give_back(off, len, guard(epoch));
+        } else if n > 1 {
+            for &(off, len, _) in &blocks {
+                self.drop_users(off, len);
+            }
+            blocks.sort_unstable_by_key(|b| b.0);
+            let mut i = 0;
+            while i < n {
+                let (off, mut len, mut epoch) = blocks[i];
+                i += 1;
+                while i < n && blocks[i].0 == off + len {
+                    len += blocks[i].1;
+                    epoch = epoch.max(blocks[i].2);
+                    i += 1;
+                }
+                self.free_span(off, len, guard(epoch));
+            }
+        }
+        self.batch_scratch = blocks;
+        n
+    }
+
+    /// The maps' part of [`give_back`](Self::give_back): `[off, off+len)`,
+    /// its pages' users already dropped, becomes free under `guard`.
+    fn free_span(&mut self, off: usize, len: usize, guard: Guard) {
         self.run_add(off, len);
         self.gaps.release(off, len);
         self.insert_free(off, len, guard);
@@ -2561,6 +2615,117 @@ mod tests {
         #[test]
         fn settling_the_moved_streams_agrees_with_the_full_scan(ops in index_ops()) {
             settle_agrees_with_the_full_scan(&ops, true)?;
+        }
+    }
+
+    /// Builds a 16-page arena from `ops` (takes, give-backs under three
+    /// kinds of guards, settles) with the runs and the gaps both kept in
+    /// part of it; returns it with its live blocks.
+    fn arena_from_ops(ops: &[(u8, u32, u32)]) -> (Arena, Vec<(usize, usize)>) {
+        const SMALL: usize = 1 << 16;
+        let mut a = Arena::new(16 * SMALL, SMALL);
+        a.set_best_fit_regions(vec![0..5 * SMALL + 100, 9 * SMALL..16 * SMALL]);
+        a.set_first_fit_region(SMALL + 512..15 * SMALL);
+        a.gaps.tree_above = 4;
+        a.gaps.tree_below = 2;
+        for p in 0..16 {
+            let idx = a.phys.insert(PhysPage {
+                handle: Physical(p as u64),
+                pages: 1,
+                owner: None,
+                mappings: Vec::new(),
+            });
+            a.record_mapping(p, idx);
+            a.activate(p, idx);
+        }
+        let mut live: Vec<(usize, usize)> = Vec::new();
+        for (step, &(kind, x, y)) in ops.iter().enumerate() {
+            let (x, y) = (x as usize, y as usize);
+            match kind {
+                0..=3 => {
+                    // Mostly from the start of a range, and short: blocks
+                    // that touch each other.
+                    let ranges: Vec<(usize, FreeRange)> = a.free_ranges().collect();
+                    let (o, r) = ranges[x % ranges.len()];
+                    let skip = if y % 4 != 0 { 0 } else { (y >> 2) % r.len };
+                    let len = 1 + (y >> 8) % (r.len - skip).min(3 * SMALL);
+                    a.take(o + skip, len);
+                    live.push((o + skip, len));
+                }
+                4 | 5 if !live.is_empty() => {
+                    let (o, l) = live.swap_remove(x % live.len());
+                    let guard = match y % 4 {
+                        0 => Guard::Complete,
+                        s => Guard::After {
+                            stream: s as u64,
+                            epoch: step as u64,
+                        },
+                    };
+                    a.give_back(o, l, guard);
+                }
+                6 => a.settle(|g| match g {
+                    Guard::After { stream: 2, .. } => Some(Guard::Complete),
+                    _ => None,
+                }),
+                _ => {}
+            }
+        }
+        a.check();
+        (a, live)
+    }
+
+    /// What [`books`] compares, and the indexes behind the free ranges:
+    /// runs by length, pending ranges by stream and epoch, users and idle
+    /// pages.
+    fn all_books(a: &Arena) -> impl PartialEq + std::fmt::Debug {
+        let by_size: Vec<SizeKey> = a.by_size.iter().map(|(k, _)| k).collect();
+        let mut pending: Vec<(u64, u64, usize)> = a
+            .pending
+            .streams
+            .iter()
+            .flat_map(|s| {
+                s.epochs
+                    .iter()
+                    .flat_map(move |e| e.starts.iter().map(move |&o| (s.stream, e.epoch, o)))
+            })
+            .collect();
+        pending.sort_unstable();
+        let users: Vec<u32> = a.pages.iter().map(|s| s.users).collect();
+        let idle: Vec<usize> = a.idle_pages().collect();
+        (books(a), by_size, pending, users, idle, a.idle_clock)
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(300))]
+        /// A stream's blocks given back together leave the arena as one
+        /// give-back per block, in the order given, would: the same free
+        /// ranges, guards, runs, gaps, pending index and idle stamps.
+        #[test]
+        fn giving_back_a_streams_blocks_together_agrees_with_one_by_one(
+            ops in proptest::collection::vec((0u8..8, proptest::prelude::any::<u32>(), proptest::prelude::any::<u32>()), 1..80),
+            pick in proptest::collection::vec((proptest::prelude::any::<u32>(), 0u64..1000), 0..40),
+            stream in 1u64..4,
+        ) {
+            let (mut one, live) = arena_from_ops(&ops);
+            let (mut batch, _) = arena_from_ops(&ops);
+            // Some of the live blocks, in an order of their own, each with
+            // an epoch of its own.
+            let mut left = live;
+            let mut blocks: Vec<(usize, usize, u64)> = Vec::new();
+            for &(x, epoch) in &pick {
+                if left.is_empty() {
+                    break;
+                }
+                let (o, l) = left.swap_remove(x as usize % left.len());
+                blocks.push((o, l, epoch));
+            }
+            for &(o, l, epoch) in &blocks {
+                one.give_back(o, l, Guard::After { stream, epoch });
+            }
+            let n = batch.give_back_stream(stream, |b| b.extend_from_slice(&blocks));
+            proptest::prop_assert_eq!(n, blocks.len());
+            batch.check();
+            proptest::prop_assert_eq!(all_books(&one), all_books(&batch));
         }
     }
 
