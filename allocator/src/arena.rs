@@ -205,23 +205,30 @@ impl Gaps {
     /// Build the tree where the spans became many, drop it where they
     /// became few (the thresholds apart, so that a count going up and
     /// down around one does not rebuild it every time).
+    #[inline]
     fn retune(&mut self) {
         let n = self.spans.len();
         if self.indexed && n < self.tree_below {
             self.indexed = false;
         } else if !self.indexed && n > self.tree_above {
-            self.indexed = true;
-            self.tree.fill(0);
-            self.starts.fill(0);
-            for (o, &l) in self.spans.iter() {
-                let p = o / self.page;
-                self.starts[p] += 1;
-                let leaf = &mut self.tree[self.leaves + p];
-                *leaf = (*leaf).max(l);
-            }
-            for i in (1..self.leaves).rev() {
-                self.tree[i] = self.tree[2 * i].max(self.tree[2 * i + 1]);
-            }
+            self.build_tree();
+        }
+    }
+
+    /// Build the tree from the spans (they became many).
+    #[cold]
+    fn build_tree(&mut self) {
+        self.indexed = true;
+        self.tree.fill(0);
+        self.starts.fill(0);
+        for (o, &l) in self.spans.iter() {
+            let p = o / self.page;
+            self.starts[p] += 1;
+            let leaf = &mut self.tree[self.leaves + p];
+            *leaf = (*leaf).max(l);
+        }
+        for i in (1..self.leaves).rev() {
+            self.tree[i] = self.tree[2 * i].max(self.tree[2 * i + 1]);
         }
     }
 
@@ -1299,6 +1306,7 @@ impl Arena {
 
     /// The maps' part of [`give_back`](Self::give_back): `[off, off+len)`,
     /// its pages' users already dropped, becomes free under `guard`.
+    #[inline]
     fn free_span(&mut self, off: usize, len: usize, guard: Guard) {
         self.run_add(off, len);
         self.gaps.release(off, len);
