@@ -490,8 +490,10 @@ impl Guard {
 }
 
 /// The pending free ranges, for `settle`: per stream (the few that have
-/// any), per epoch oldest first, the set of the starts of the ranges under
-/// that guard. A range that takes, loses or moves under a guard costs a
+/// any), per epoch oldest first, the set of the ends of the ranges under
+/// that guard (a range is known by its end, which stays where a block is
+/// taken from its front or given back just below it, the two usual ways a
+/// range changes; its start moves then). A range that takes, loses or moves under a guard costs a
 /// hash-set insert or remove in its epoch's set (found with one
 /// comparison when it is the stream's newest or oldest), where a sorted
 /// map by (stream, epoch, start) cost two binary searches of three-part
@@ -520,7 +522,7 @@ struct StreamPending {
 #[derive(Debug)]
 struct EpochPending {
     epoch: u64,
-    /// The starts of the free ranges under `After { stream, epoch }`.
+    /// The ends of the free ranges under `After { stream, epoch }`.
     starts: StartSet,
 }
 
@@ -552,7 +554,7 @@ impl PendingIndex {
         }
     }
 
-    /// A range at `off` took guard `After { stream, epoch }`.
+    /// A range ending at `off` took guard `After { stream, epoch }`.
     fn add(&mut self, stream: u64, epoch: u64, off: usize) {
         let i = match self.stream_at(stream) {
             Some(i) => i,
@@ -574,10 +576,10 @@ impl PendingIndex {
             }
         };
         let new = s.epochs[k].starts.insert(off);
-        debug_assert!(new, "a start is pending under one guard once");
+        debug_assert!(new, "an end is pending under one guard once");
     }
 
-    /// The range at `off` lost guard `After { stream, epoch }`.
+    /// The range ending at `off` lost guard `After { stream, epoch }`.
     fn remove(&mut self, stream: u64, epoch: u64, off: usize) {
         let i = self.stream_at(stream).expect("a pending stream is indexed");
         let s = &mut self.streams[i];
@@ -595,8 +597,8 @@ impl PendingIndex {
         }
     }
 
-    /// The range at `old` under `After { stream, epoch }` now starts at
-    /// `new`, same guard.
+    /// The range ending at `old` under `After { stream, epoch }` now ends
+    /// at `new`, same guard.
     fn moved(&mut self, stream: u64, epoch: u64, old: usize, new: usize) {
         let i = self.stream_at(stream).expect("a pending stream is indexed");
         let s = &mut self.streams[i];
@@ -896,25 +898,26 @@ impl Arena {
     fn insert_raw(&mut self, off: usize, range: FreeRange) {
         debug_assert!(range.len > 0);
         self.free.insert(off, range);
-        self.index_pending(off, range.guard);
+        self.index_pending(off + range.len, range.guard);
     }
 
     fn remove_raw(&mut self, off: usize) -> FreeRange {
         let r = self.free.remove(&off).expect("free range exists");
-        self.unindex_pending(off, r.guard);
+        self.unindex_pending(off + r.len, r.guard);
         r
     }
 
-    fn index_pending(&mut self, off: usize, guard: Guard) {
+    /// The range ending at `end` took `guard`.
+    fn index_pending(&mut self, end: usize, guard: Guard) {
         if let Guard::After { stream, epoch } = guard {
-            self.pending.add(stream, epoch, off);
+            self.pending.add(stream, epoch, end);
         }
     }
 
-    /// The range at `old` under `was` now starts at `new` under `now`,
-    /// where no free range starts between `old` and `new`.
+    /// The range ending at `old` under `was` now ends at `new` under `now`.
     fn reindex_pending(&mut self, old: usize, was: Guard, new: usize, now: Guard) {
         match (was, now) {
+            _ if old == new && was == now => {}
             (Guard::After { stream, epoch }, _) if was == now => {
                 self.pending.moved(stream, epoch, old, new);
             }
@@ -925,9 +928,10 @@ impl Arena {
         }
     }
 
-    fn unindex_pending(&mut self, off: usize, guard: Guard) {
+    /// The range ending at `end` lost `guard`.
+    fn unindex_pending(&mut self, end: usize, guard: Guard) {
         if let Guard::After { stream, epoch } = guard {
-            self.pending.remove(stream, epoch, off);
+            self.pending.remove(stream, epoch, end);
         }
     }
 
@@ -1071,17 +1075,15 @@ impl Arena {
         match (left, right) {
             (None, None) => {
                 self.free.insert_at(pos, off, FreeRange { len, guard });
-                self.index_pending(off, guard);
+                self.index_pending(off + len, guard);
             }
-            (Some((lo, l, g)), None) => {
+            (Some((_, l, g)), None) => {
+                // The left neighbour grows up to the block's end.
                 *self.free.before_mut(pos).expect("left neighbour") = FreeRange {
                     len: l.len + len,
                     guard: g,
                 };
-                if l.guard != g {
-                    self.unindex_pending(lo, l.guard);
-                    self.index_pending(lo, g);
-                }
+                self.reindex_pending(off, l.guard, off + len, g);
             }
             (None, Some((ro, r, g))) => {
                 // Only the right neighbour: it grows down to `off`, in
@@ -1090,19 +1092,20 @@ impl Arena {
                     len: len + r.len,
                     guard: g,
                 };
-                self.reindex_pending(ro, r.guard, off, g);
+                let end = ro + r.len;
+                self.reindex_pending(end, r.guard, end, g);
             }
-            (Some((lo, l, _)), Some((ro, r, g))) => {
+            (Some((_, l, _)), Some((ro, r, g))) => {
+                // One range from the left one's start to the right one's
+                // end: the left one's end goes.
                 *self.free.before_mut(pos).expect("left neighbour") = FreeRange {
                     len: l.len + len + r.len,
                     guard: g,
                 };
                 self.free.remove_at_pos(pos);
-                self.unindex_pending(ro, r.guard);
-                if l.guard != g {
-                    self.unindex_pending(lo, l.guard);
-                    self.index_pending(lo, g);
-                }
+                self.unindex_pending(off, l.guard);
+                let end = ro + r.len;
+                self.reindex_pending(end, r.guard, end, g);
             }
         }
     }
@@ -1197,22 +1200,26 @@ impl Arena {
                 if o < off {
                     self.free.before_mut(pos).expect("range").len = off - o;
                     if o + old.len > end {
-                        // Between the range and the next one: `pos`.
+                        // Between the range and the next one: `pos`. It
+                        // keeps the range's end; the part below the block
+                        // ends anew.
                         let rest = FreeRange {
                             len: o + old.len - end,
                             guard: old.guard,
                         };
                         self.free.insert_at(pos, end, rest);
-                        self.index_pending(end, old.guard);
+                        self.index_pending(off, old.guard);
+                    } else {
+                        self.reindex_pending(end, old.guard, off, old.guard);
                     }
                 } else if o + old.len > end {
                     // The block starts the range: what is left of it moves
-                    // up in place (no range starts inside the block).
+                    // up in place (no range starts inside the block), its
+                    // end where it was.
                     self.free.rekey_before(pos, end).expect("range").len = o + old.len - end;
-                    self.reindex_pending(o, old.guard, end, old.guard);
                 } else {
                     self.free.remove_before(pos);
-                    self.unindex_pending(o, old.guard);
+                    self.unindex_pending(end, old.guard);
                 }
                 self.add_users(off, len);
                 return;
@@ -1546,7 +1553,7 @@ impl Arena {
             let Some(g) = upgrade(was) else {
                 break;
             };
-            changed.extend(e.starts.iter().map(|&o| (o, was, g)));
+            changed.extend(e.starts.iter().map(|&end| (end, was, g)));
         }
     }
 
@@ -1559,32 +1566,29 @@ impl Arena {
         changed.sort_unstable_by_key(|c| c.0);
         // Each range is upgraded where it lies and merged with both
         // neighbours where the guards allow, so neighbours upgraded in any
-        // order end up merged. Ranges are visited by address: one still at
-        // its place is as it was collected (only a lower range, merging
-        // into it from the left, removes it). A range already merged into
-        // a lower one (under its old guard) is looked up again and
-        // upgraded where it now lies.
-        for &(o, was, g) in &changed {
-            let pos = self.free.lower_bound(&o);
-            if let Some((at, &cur)) = self.free.at(pos).filter(|&(at, _)| at == o) {
-                let g = if cur.guard == was {
-                    Some(g)
-                } else {
-                    upgrade(cur.guard)
-                };
-                if let Some(g) = g {
-                    self.upgrade_at(pos, at, cur, g);
-                }
-                continue;
-            }
-            let Some((start, &cur)) = self.free.before(pos) else {
+        // order end up merged. Ranges are visited by address (by end): one
+        // still ending where it did, under the guard collected, is as it
+        // was collected; one merged with another since is looked up again
+        // by its last byte and upgraded where it now lies, as its guard
+        // now says.
+        for &(end, was, g) in &changed {
+            // The range holding the last byte of the one collected: the
+            // last one starting below `end`.
+            let Some(pos) = self.free.pos_before(self.free.lower_bound(&end)) else {
                 continue;
             };
-            if start + cur.len <= o {
+            let Some((start, &cur)) = self.free.at(pos) else {
+                continue;
+            };
+            if start + cur.len < end {
                 continue;
             }
-            if let Some(g) = upgrade(cur.guard) {
-                let pos = self.free.lower_bound(&start);
+            let g = if start + cur.len == end && cur.guard == was {
+                Some(g)
+            } else {
+                upgrade(cur.guard)
+            };
+            if let Some(g) = g {
                 self.upgrade_at(pos, start, cur, g);
             }
         }
@@ -1596,7 +1600,7 @@ impl Arena {
     /// first, then the right one under the merged guard): what removing it
     /// and giving it back under `g` would do, with one search.
     fn upgrade_at(&mut self, pos: Pos, o: usize, r: FreeRange, g: Guard) {
-        self.unindex_pending(o, r.guard);
+        self.unindex_pending(o + r.len, r.guard);
         let left = self
             .free
             .before(pos)
@@ -1611,18 +1615,15 @@ impl Arena {
         match (left, right) {
             (None, None) => {
                 self.free.at_mut(pos).expect("upgraded range").guard = g;
-                self.index_pending(o, g);
+                self.index_pending(o + r.len, g);
             }
-            (Some((lo, l, m)), None) => {
+            (Some((_, l, m)), None) => {
                 *self.free.before_mut(pos).expect("left neighbour") = FreeRange {
                     len: l.len + r.len,
                     guard: m,
                 };
                 self.free.remove_at_pos(pos);
-                if l.guard != m {
-                    self.unindex_pending(lo, l.guard);
-                    self.index_pending(lo, m);
-                }
+                self.reindex_pending(o, l.guard, o + r.len, m);
             }
             (None, Some((ro, rr, m))) => {
                 *self.free.at_mut(pos).expect("upgraded range") = FreeRange {
@@ -1630,21 +1631,19 @@ impl Arena {
                     guard: m,
                 };
                 self.free.remove(&ro);
-                self.unindex_pending(ro, rr.guard);
-                self.index_pending(o, m);
+                let end = ro + rr.len;
+                self.reindex_pending(end, rr.guard, end, m);
             }
-            (Some((lo, l, _)), Some((ro, rr, m))) => {
+            (Some((_, l, _)), Some((ro, rr, m))) => {
                 *self.free.before_mut(pos).expect("left neighbour") = FreeRange {
                     len: l.len + r.len + rr.len,
                     guard: m,
                 };
                 self.free.remove(&ro);
                 self.free.remove(&o);
-                self.unindex_pending(ro, rr.guard);
-                if l.guard != m {
-                    self.unindex_pending(lo, l.guard);
-                    self.index_pending(lo, m);
-                }
+                self.unindex_pending(o, l.guard);
+                let end = ro + rr.len;
+                self.reindex_pending(end, rr.guard, end, m);
             }
         }
     }
@@ -1656,7 +1655,7 @@ impl Arena {
         let changed: Vec<(usize, Guard, Guard)> = self
             .free
             .iter()
-            .filter_map(|(o, &r)| upgrade(r.guard).map(|g| (o, r.guard, g)))
+            .filter_map(|(o, &r)| upgrade(r.guard).map(|g| (o + r.len, r.guard, g)))
             .collect();
         self.apply_settled(changed, upgrade);
     }
@@ -2083,6 +2082,10 @@ impl Arena {
             let old = *r;
             if o < ps {
                 r.len = ps - o;
+                // It ends at the page now; a part above the page, if any,
+                // takes its old end (indexed again below).
+                self.unindex_pending(o + old.len, old.guard);
+                self.index_pending(ps, old.guard);
             } else {
                 self.remove_raw(o);
             }
@@ -2223,7 +2226,10 @@ impl Arena {
             Default::default();
         for (o, r) in self.free.iter() {
             if let Guard::After { stream, epoch } = r.guard {
-                pending.entry((stream, epoch)).or_default().insert(o);
+                pending
+                    .entry((stream, epoch))
+                    .or_default()
+                    .insert(o + r.len);
             }
         }
         let mut indexed = std::collections::BTreeMap::new();
