@@ -491,13 +491,15 @@ impl Guard {
 
 /// The pending free ranges, for `settle`: per stream (the few that have
 /// any), per epoch oldest first, the set of the ends of the ranges under
-/// that guard (a range is known by its end, which stays where a block is
-/// taken from its front or given back just below it, the two usual ways a
-/// range changes; its start moves then). A range that takes, loses or moves under a guard costs a
-/// hash-set insert or remove in its epoch's set (found with one
+/// that guard. A range that takes or loses a guard, or whose end moves,
+/// costs a hash-set insert or remove in its epoch's set (found with one
 /// comparison when it is the stream's newest or oldest), where a sorted
 /// map by (stream, epoch, start) cost two binary searches of three-part
-/// keys each time.
+/// keys each time. A range is known by its end because the usual changes
+/// to a pending range, a block taken from its front and a block given
+/// back just below it, move its start and leave its end: they cost the
+/// index nothing (a block given back just above it, or cut from its end,
+/// moves the end instead, and is rarer).
 #[derive(Debug, Default)]
 struct PendingIndex {
     /// Only streams with a range pending.
