@@ -1332,15 +1332,9 @@ impl<D: Device> StreamOrder<D> {
     /// the arena, straight from the cache under the stream's lock (taken
     /// after the arena's, as everywhere).
     pub fn flush_own_cache(&self, arena: &mut Arena, me: u64, entry: &StreamEntry) {
-        lock(&entry.state).drain_cache_with(|len, b| {
-            arena.give_back(
-                b.offset,
-                len,
-                Guard::After {
-                    stream: me,
-                    epoch: b.epoch,
-                },
-            )
+        let mut st = lock(&entry.state);
+        arena.give_back_stream(me, |blocks| {
+            st.drain_cache_with(|len, b| blocks.push((b.offset, len, b.epoch)));
         });
     }
 
@@ -1349,15 +1343,8 @@ impl<D: Device> StreamOrder<D> {
     pub fn flush_caches(&self, arena: &mut Arena) -> usize {
         let mut moved = 0;
         self.for_busy(|id, st| {
-            moved += st.drain_cache_with(|len, b| {
-                arena.give_back(
-                    b.offset,
-                    len,
-                    Guard::After {
-                        stream: id,
-                        epoch: b.epoch,
-                    },
-                )
+            moved += arena.give_back_stream(id, |blocks| {
+                st.drain_cache_with(|len, b| blocks.push((b.offset, len, b.epoch)));
             });
         });
         moved

@@ -220,6 +220,13 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
         }
     }
 
+    /// The place of the entry before `pos`, if any.
+    #[inline]
+    pub fn pos_before(&self, pos: Pos) -> Option<Pos> {
+        let (c, i) = self.entry_before(pos)?;
+        Some(Pos { c, i })
+    }
+
     /// The entry at `pos` (the first with a key at least the one searched).
     #[inline]
     pub fn at(&self, pos: Pos) -> Option<(K, &V)> {
