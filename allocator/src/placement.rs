@@ -366,17 +366,24 @@ fn paged_best_window(
     };
     // A window's key: (weighted binds and activations, start).
     let key = |s: Sums, start: usize| (s >> FIELD, start);
-    // 1. The window with the lowest bound: (bound, start page). Windows
-    // come in address order, so the first of equal bounds is the lowest.
-    let mut lowest: Option<(Sums, usize)> = None;
+    // 1. Every window's bound (weighted binds and activations), in
+    // address order, and the lowest: windows come in address order, so
+    // the first of equal bounds is the lowest window. Real bounds are far
+    // below `Sums::MAX`.
+    let mut bounds: Vec<Sums> = Vec::new();
+    let (mut low, mut q) = (Sums::MAX, 0);
     for &(qlo, qhi, at) in &spans {
         slide(&terms[at..at + qhi - qlo + n], n, &vals, |k, s| {
-            if lowest.is_none_or(|(b, _)| s >> FIELD < b) {
-                lowest = Some((s >> FIELD, qlo + k));
+            let b = s >> FIELD;
+            bounds.push(b);
+            if b < low {
+                (low, q) = (b, qlo + k);
             }
         });
     }
-    let (_, q) = lowest?;
+    if low == Sums::MAX {
+        return None;
+    }
     // Its key is the one to beat: (key, sums).
     let &(qlo, _, at) = spans
         .iter()
@@ -390,22 +397,20 @@ fn paged_best_window(
         // Nothing can beat it: every other window's bound is above.
         return Some((0, 0, q * page));
     }
-    // 2. Per span, the stretch of windows whose bound is below the best
-    // key: their ghosts worked out, each weighed.
+    // 2. Per span, the stretch from the first to the last window whose
+    // bound is not above the best key (equal ones are taken whatever
+    // their start: a few windows more, one comparison less per window):
+    // their ghosts worked out, each weighed.
+    let mut rest = &bounds[..];
     for &(qlo, qhi, at) in &spans {
-        let ts = &mut terms[at..at + qhi - qlo + n];
-        let mut stretch: Option<(usize, usize)> = None;
-        // Bounds equal to the best key's are taken too (whatever their
-        // start): a few windows more, one comparison less per window.
+        let (bs, later) = rest.split_at(qhi - qlo + 1);
+        rest = later;
         let limit = best.0 .0;
-        slide(ts, n, &vals, |k, s| {
-            if s >> FIELD <= limit {
-                stretch = Some(stretch.map_or((k, k), |(lo, _)| (lo, k)));
-            }
-        });
-        let Some((klo, khi)) = stretch else {
+        let Some(klo) = bs.iter().position(|&b| b <= limit) else {
             continue;
         };
+        let khi = bs.iter().rposition(|&b| b <= limit).expect("one is");
+        let ts = &mut terms[at..at + qhi - qlo + n];
         let ts = &mut ts[klo..khi + n];
         resolve(ts, qlo + klo);
         slide(ts, n, &vals, |k, s| {
