@@ -2294,6 +2294,23 @@ impl Arena {
             assert_eq!(self.idle.contains(p), idle, "idle set wrong at page {p}");
         }
     }
+
+    /// Per page of `pages`: the physical unit mapped there (active or
+    /// ghost), if any, and whether that mapping is active; each page's
+    /// books read once.
+    pub fn page_states(
+        &self,
+        pages: std::ops::Range<usize>,
+    ) -> impl Iterator<Item = (Option<usize>, bool)> + '_ {
+        self.pages[pages].iter().map(|s| (s.mapped, s.active))
+    }
+
+    /// Where physical unit `i` is active (its first page), if anywhere,
+    /// and the pages it spans: its books read once.
+    pub fn owner_and_pages(&self, i: usize) -> (Option<usize>, usize) {
+        let ph = &self.phys[i];
+        (ph.owner, ph.pages)
+    }
 }
 
 #[cfg(test)]
