@@ -12,11 +12,13 @@
 //! blocks of the later epoch and a pattern written by the other stream
 //! into whatever it got, read back once everything ran.
 //!
-//! Then pending frees whose ends move (taken from by the stream that
-//! freed them, grown, merged, cut), which must all become reusable by
-//! other streams, without growth, once the stream completes; and nothing
-//! lost: after every free, a synchronise and `trim_to(0)`, nothing used
-//! and nothing reserved. Work is bounded by operation counts.
+//! A last test runs threads, each on its own stream, closing epochs
+//! between frees, holding its stream busy now and then, freeing some
+//! blocks on another thread's stream (made to wait for its own), while
+//! one of them flushes every cache by trims: tags written and checked by
+//! kernels of the streams, the footprint bounded, and after every free,
+//! a synchronise and `trim_to(0)`, nothing used and nothing reserved.
+//! Work is bounded by operation counts.
 
 mod common;
 

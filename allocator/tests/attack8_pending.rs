@@ -4,23 +4,24 @@
 //! anything), closes epochs with events, and takes blocks back from its
 //! own pending frees: from their front, their middle, their end (big
 //! blocks start on a page, so a take can begin inside a range), whole;
-//! ranges grow downward and upward and merge across epochs; halfway
-//! through, the frees made so far complete, those to come stay pending
-//! (a flushed cache then holds both, side by side). Meanwhile a
-//! second stream (`b`) allocates: it must never be handed a byte of a
-//! free still pending on `a`, and in the first-fit zones (1 MiB to 256
-//! MiB) it must get exactly the lowest window holding no live block and
-//! no such pending free. Then `a` completes: every pending byte must be
-//! reusable by `b` at once (again the lowest window, now counting them
-//! free), and after every free, a synchronise and `trim_to(0)`, nothing
-//! is used or reserved. With a stream cache, `a`'s cached frees reach
-//! the arena in batches (several epochs each) by its own slow
-//! allocations and by trims.
+//! ranges grow downward and upward and merge across epochs. Halfway
+//! through each round the frees made so far complete (synchronised),
+//! those to come stay pending behind a second hold (a cache flushed then
+//! holds both, side by side). Meanwhile a second stream (`b`) allocates:
+//! it must never be handed a byte of a free still pending on `a`; without
+//! a stream cache, while no page has moved and before the halfway point,
+//! its first-fit requests (1 MiB to 256 MiB) must get exactly the lowest
+//! window holding no live block and no such pending free. When `a`
+//! completes (synchronised, settled by a trim), `b` gets that lowest
+//! window again (while no page has moved), now counting the frees as
+//! free, with no growth when it lies inside them; after every free, a
+//! synchronise and `trim_to(0)`, nothing is used or reserved. With a
+//! stream cache, `a`'s cached frees reach the arena in batches (several
+//! epochs each) by its own slow allocations and by trims.
 //!
-//! A last test runs threads, each on its own stream, freeing some blocks
-//! on other threads' streams and flushing every cache by trims, with
-//! patterns checked and the footprint bounded. Work is bounded by
-//! operation counts.
+//! Two laid-out cases follow: a free pending on `a` between or beside
+//! completed ranges, which must settle in place once `a` completes.
+//! Work is bounded by operation counts.
 
 mod common;
 
@@ -313,9 +314,11 @@ impl Harness {
                 self.pool.synchronize_event(&ev).unwrap();
                 hold = next;
                 self.pending.clear();
-                // Those frees are usable by `b` through the synchronise
-                // (class 1) until the pool settles them (complete, class
-                // 0): the lowest window it may take is not known exactly.
+                // Those frees are usable by `b` through the synchronise,
+                // but until the pool settles them (marks them complete) a
+                // later free of `a` beside one joins it under its own,
+                // pending, epoch: the lowest window `b` may take is then
+                // not known from outside.
                 self.limbo = true;
             }
             let r = rng.range(0, 19);
