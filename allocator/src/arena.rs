@@ -462,12 +462,15 @@ pub(crate) enum Guard {
 
 impl Guard {
     /// The guard of two adjacent ranges merged into one, if one guard can
-    /// say it without making either range wait longer than it must: two
-    /// completed ranges, or two frees of one stream (the later epoch covers
-    /// the earlier one, and the stream's frees complete in order). A
-    /// completed range never merges into a pending one: its bytes would
-    /// take the pending free's guard and stop being usable by every other
-    /// stream until that free completes.
+    /// say it: two completed ranges, or two frees of one stream (the later
+    /// epoch covers the earlier one, and the stream's frees complete in
+    /// order). A completed range never merges into a pending one: its
+    /// bytes would take the pending free's guard and stop being usable by
+    /// every other stream until that free completes. The arena knows only
+    /// the guards, not the completions observed since they were set: an
+    /// earlier free of the stream that has completed but is not settled
+    /// yet (a host wait since, no poll) takes the later epoch in a merge
+    /// and waits for it too.
     pub fn merge(self, other: Guard) -> Option<Guard> {
         match (self, other) {
             (Guard::Complete, Guard::Complete) => Some(Guard::Complete),
