@@ -147,6 +147,14 @@ impl PageSet {
     }
 }
 
+/// Where a first-fit window was found (see [`Arena::first_window_at`]):
+/// the place in the gaps just past the span that holds it, where it was at
+/// hand. Good until the arena next changes; one used later may panic.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Window {
+    span: Option<Pos>,
+}
+
 /// The maximal spans of the address space that no block uses (free ranges
 /// and holes together), with a max-tree over pages once there are many of
 /// them: the leaf of page `p` holds the length of the longest span
@@ -323,9 +331,11 @@ impl Gaps {
     }
 
     /// Bytes `[off, off+len)`, unused, become used: cut their span.
-    fn occupy(&mut self, off: usize, len: usize) {
+    /// `span`, where known, is the place just past that span (it is then
+    /// not searched for).
+    fn occupy(&mut self, off: usize, len: usize, span: Option<Pos>) {
         if let Some((o, l)) = self.clip(off, len) {
-            self.occupy_in(o, l);
+            self.occupy_in(o, l, span.filter(|_| o == off));
             self.retune();
         }
     }
@@ -362,15 +372,15 @@ impl Gaps {
         }
     }
 
-    fn occupy_in(&mut self, off: usize, len: usize) {
+    fn occupy_in(&mut self, off: usize, len: usize, span: Option<Pos>) {
         // The span holding `off` is the one before the first key past it.
-        let pos = self.spans.lower_bound(&(off + 1));
+        let pos = span.unwrap_or_else(|| self.spans.lower_bound(&(off + 1)));
         let (so, &sl) = self
             .spans
             .before(pos)
             .expect("occupied bytes lie in a span");
         let end = off + len;
-        assert!(so + sl >= end, "occupied bytes lie in a span");
+        assert!(so <= off && so + sl >= end, "occupied bytes lie in a span");
         match (off > so, so + sl > end) {
             (true, true) => {
                 *self.spans.before_mut(pos).expect("span") = off - so;
@@ -1191,9 +1201,24 @@ impl Arena {
     /// Hand out `[off, off+len)`, which must be covered by free ranges
     /// (several adjacent ones when their guards could not merge).
     pub fn take(&mut self, off: usize, len: usize) {
+        self.take_with(off, len, None);
+    }
+
+    /// [`take`](Self::take) of a window that
+    /// [`first_window_at`](Self::first_window_at) or
+    /// [`first_window_any_at`](Self::first_window_any_at) just found, with
+    /// the arena unchanged since: its span is not searched for again.
+    pub fn take_in_window(&mut self, off: usize, len: usize, w: Window) {
+        self.take_with(off, len, w.span);
+    }
+
+    /// [`take`](Self::take); `span`, where known, the place in the gaps
+    /// just past the span that holds the bytes.
+    #[inline]
+    fn take_with(&mut self, off: usize, len: usize, span: Option<Pos>) {
         let end = off + len;
         self.run_remove(off, len);
-        self.gaps.occupy(off, len);
+        self.gaps.occupy(off, len, span);
         // Usually one free range covers the block: cut it in place. It is
         // the one before the first key past `off`.
         let pos = self.free.lower_bound(&(off + 1));
@@ -1750,6 +1775,7 @@ impl Arena {
     /// space alone, not on which pages are mapped where. The spans with no
     /// block in use are found through their max-tree, lowest first; only
     /// the free ranges inside a candidate window are looked at.
+    #[cfg(test)]
     pub fn first_window(
         &self,
         len: usize,
@@ -1758,12 +1784,27 @@ impl Arena {
         usable: impl FnMut(Guard) -> bool,
     ) -> Option<usize> {
         self.first_window_by::<true>(len, align, zone, usable)
+            .map(|w| w.0)
+    }
+
+    /// [`first_window`](Self::first_window), with where the window's span
+    /// lies, for [`take_in_window`](Self::take_in_window).
+    pub fn first_window_at(
+        &self,
+        len: usize,
+        align: usize,
+        zone: &std::ops::Range<usize>,
+        usable: impl FnMut(Guard) -> bool,
+    ) -> Option<(usize, Window)> {
+        self.first_window_by::<true>(len, align, zone, usable)
+            .map(|(s, span)| (s, Window { span }))
     }
 
     /// [`first_window`](Self::first_window) for a caller that may use every
     /// free range (see [`pending_only_of`](Self::pending_only_of)): the
     /// lowest long enough span with no block in use holds the window, and
     /// the free ranges inside it are not looked at.
+    #[cfg(test)]
     pub fn first_window_any(
         &self,
         len: usize,
@@ -1771,6 +1812,19 @@ impl Arena {
         zone: &std::ops::Range<usize>,
     ) -> Option<usize> {
         self.first_window_by::<false>(len, align, zone, |_| true)
+            .map(|w| w.0)
+    }
+
+    /// [`first_window_any`](Self::first_window_any), with where the
+    /// window's span lies, for [`take_in_window`](Self::take_in_window).
+    pub fn first_window_any_at(
+        &self,
+        len: usize,
+        align: usize,
+        zone: &std::ops::Range<usize>,
+    ) -> Option<(usize, Window)> {
+        self.first_window_by::<false>(len, align, zone, |_| true)
+            .map(|(s, span)| (s, Window { span }))
     }
 
     /// Whether any free range is pending (guarded by a stream's epoch).
@@ -1785,21 +1839,24 @@ impl Arena {
     }
 
     /// [`first_window`](Self::first_window); `WALK` false: every free
-    /// range is usable, none is looked at.
+    /// range is usable, none is looked at. With the window, the place in
+    /// the spans just past the one that holds it, where it was at hand.
     fn first_window_by<const WALK: bool>(
         &self,
         len: usize,
         align: usize,
         zone: &std::ops::Range<usize>,
         mut usable: impl FnMut(Guard) -> bool,
-    ) -> Option<usize> {
+    ) -> Option<(usize, Option<Pos>)> {
         if len == 0 || zone.start >= zone.end {
             return None;
         }
         let region = &self.gaps.region;
         if zone.start < region.start || zone.end > region.end {
             // Outside the indexed region: walk the zone.
-            return self.first_window_linear(len, align, zone, usable);
+            return self
+                .first_window_linear(len, align, zone, usable)
+                .map(|s| (s, None));
         }
         // The lowest usable window inside the span [o, o+l), if any.
         let mut in_span = |o: usize, l: usize| -> Option<usize> {
@@ -1825,7 +1882,7 @@ impl Arena {
         if let Some((o, &l)) = self.gaps.spans.last_le(&zone.start) {
             if o + l > zone.start {
                 if let Some(s) = in_span(o, l) {
-                    return Some(s);
+                    return Some((s, None));
                 }
             }
             from = zone.start + 1;
@@ -1837,7 +1894,7 @@ impl Arena {
             return self
                 .gaps
                 .spans
-                .scan_from(&from, |o, &l| {
+                .scan_from_pos(&from, |o, &l| {
                     if o + len > zone.end {
                         return Break(None);
                     }
@@ -1846,7 +1903,7 @@ impl Arena {
                         None => Continue(()),
                     }
                 })
-                .flatten();
+                .and_then(|(s, past)| Some((s?, Some(past))));
         }
         // ...else through the tree.
         let page = self.page;
@@ -1859,7 +1916,7 @@ impl Arena {
             for (o, &l) in self.gaps.spans.range(lo, (q + 1) * page) {
                 if l >= len {
                     if let Some(s) = in_span(o, l) {
-                        return Some(s);
+                        return Some((s, None));
                     }
                 }
             }
