@@ -1891,11 +1891,13 @@ impl Arena {
         // with few spans, one walk over them...
         if !self.gaps.indexed {
             use std::ops::ControlFlow::{Break, Continue};
+            // The highest start a window may have in the zone.
+            let last = zone.end.checked_sub(len)?;
             return self
                 .gaps
                 .spans
                 .scan_from_pos(&from, |o, &l| {
-                    if o + len > zone.end {
+                    if o > last {
                         return Break(None);
                     }
                     match (l >= len).then(|| in_span(o, l)).flatten() {
@@ -3234,6 +3236,34 @@ mod tests {
         assert_eq!(
             a.first_window(2 * PAGE, PAGE, &(10 * PAGE..20 * PAGE), |_| true),
             Some(10 * PAGE)
+        );
+    }
+
+    /// The walk over the spans takes a window that ends on the zone's
+    /// end exactly, and none that would pass it.
+    #[test]
+    fn first_window_walk_reaches_the_zone_end() {
+        let mut a = arena_with_pages(5);
+        a.take(0, PAGE);
+        a.take(2 * PAGE, PAGE);
+        // Spans: page 1 (too short), then pages 3 and 4 and the hole
+        // after them.
+        let zone = &(0..5 * PAGE);
+        assert_eq!(
+            a.first_window(2 * PAGE, PAGE, zone, |_| true),
+            Some(3 * PAGE)
+        );
+        assert_eq!(a.first_window_any(2 * PAGE, PAGE, zone), Some(3 * PAGE));
+        let (s, w) = a.first_window_any_at(2 * PAGE, PAGE, zone).expect("window");
+        assert_eq!(s, 3 * PAGE);
+        a.take_in_window(s, 2 * PAGE, w);
+        a.check();
+        let short = &(0..7 * PAGE - 1);
+        assert_eq!(a.first_window(2 * PAGE, PAGE, short, |_| true), None);
+        assert_eq!(a.first_window_any(2 * PAGE, PAGE, short), None);
+        assert_eq!(
+            a.first_window_any(2 * PAGE, PAGE, &(0..7 * PAGE)),
+            Some(5 * PAGE)
         );
     }
 
