@@ -147,6 +147,14 @@ impl PageSet {
     }
 }
 
+/// Where a first-fit window was found (see [`Arena::first_window_at`]):
+/// the place in the gaps just past the span that holds it, where it was at
+/// hand. Good until the arena next changes; one used later may panic.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Window {
+    span: Option<Pos>,
+}
+
 /// The maximal spans of the address space that no block uses (free ranges
 /// and holes together), with a max-tree over pages once there are many of
 /// them: the leaf of page `p` holds the length of the longest span
@@ -323,9 +331,11 @@ impl Gaps {
     }
 
     /// Bytes `[off, off+len)`, unused, become used: cut their span.
-    fn occupy(&mut self, off: usize, len: usize) {
+    /// `span`, where known, is the place just past that span (it is then
+    /// not searched for).
+    fn occupy(&mut self, off: usize, len: usize, span: Option<Pos>) {
         if let Some((o, l)) = self.clip(off, len) {
-            self.occupy_in(o, l);
+            self.occupy_in(o, l, span.filter(|_| o == off));
             self.retune();
         }
     }
@@ -362,15 +372,15 @@ impl Gaps {
         }
     }
 
-    fn occupy_in(&mut self, off: usize, len: usize) {
+    fn occupy_in(&mut self, off: usize, len: usize, span: Option<Pos>) {
         // The span holding `off` is the one before the first key past it.
-        let pos = self.spans.lower_bound(&(off + 1));
+        let pos = span.unwrap_or_else(|| self.spans.lower_bound(&(off + 1)));
         let (so, &sl) = self
             .spans
             .before(pos)
             .expect("occupied bytes lie in a span");
         let end = off + len;
-        assert!(so + sl >= end, "occupied bytes lie in a span");
+        assert!(so <= off && so + sl >= end, "occupied bytes lie in a span");
         match (off > so, so + sl > end) {
             (true, true) => {
                 *self.spans.before_mut(pos).expect("span") = off - so;
@@ -1194,9 +1204,24 @@ impl Arena {
     /// Hand out `[off, off+len)`, which must be covered by free ranges
     /// (several adjacent ones when their guards could not merge).
     pub fn take(&mut self, off: usize, len: usize) {
+        self.take_with(off, len, None);
+    }
+
+    /// [`take`](Self::take) of a window that
+    /// [`first_window_at`](Self::first_window_at) or
+    /// [`first_window_any_at`](Self::first_window_any_at) just found, with
+    /// the arena unchanged since: its span is not searched for again.
+    pub fn take_in_window(&mut self, off: usize, len: usize, w: Window) {
+        self.take_with(off, len, w.span);
+    }
+
+    /// [`take`](Self::take); `span`, where known, the place in the gaps
+    /// just past the span that holds the bytes.
+    #[inline]
+    fn take_with(&mut self, off: usize, len: usize, span: Option<Pos>) {
         let end = off + len;
         self.run_remove(off, len);
-        self.gaps.occupy(off, len);
+        self.gaps.occupy(off, len, span);
         // Usually one free range covers the block: cut it in place. It is
         // the one before the first key past `off`.
         let pos = self.free.lower_bound(&(off + 1));
@@ -1753,6 +1778,7 @@ impl Arena {
     /// space alone, not on which pages are mapped where. The spans with no
     /// block in use are found through their max-tree, lowest first; only
     /// the free ranges inside a candidate window are looked at.
+    #[cfg(test)]
     pub fn first_window(
         &self,
         len: usize,
@@ -1761,12 +1787,27 @@ impl Arena {
         usable: impl FnMut(Guard) -> bool,
     ) -> Option<usize> {
         self.first_window_by::<true>(len, align, zone, usable)
+            .map(|w| w.0)
+    }
+
+    /// [`first_window`](Self::first_window), with where the window's span
+    /// lies, for [`take_in_window`](Self::take_in_window).
+    pub fn first_window_at(
+        &self,
+        len: usize,
+        align: usize,
+        zone: &std::ops::Range<usize>,
+        usable: impl FnMut(Guard) -> bool,
+    ) -> Option<(usize, Window)> {
+        self.first_window_by::<true>(len, align, zone, usable)
+            .map(|(s, span)| (s, Window { span }))
     }
 
     /// [`first_window`](Self::first_window) for a caller that may use every
     /// free range (see [`pending_only_of`](Self::pending_only_of)): the
     /// lowest long enough span with no block in use holds the window, and
     /// the free ranges inside it are not looked at.
+    #[cfg(test)]
     pub fn first_window_any(
         &self,
         len: usize,
@@ -1774,6 +1815,19 @@ impl Arena {
         zone: &std::ops::Range<usize>,
     ) -> Option<usize> {
         self.first_window_by::<false>(len, align, zone, |_| true)
+            .map(|w| w.0)
+    }
+
+    /// [`first_window_any`](Self::first_window_any), with where the
+    /// window's span lies, for [`take_in_window`](Self::take_in_window).
+    pub fn first_window_any_at(
+        &self,
+        len: usize,
+        align: usize,
+        zone: &std::ops::Range<usize>,
+    ) -> Option<(usize, Window)> {
+        self.first_window_by::<false>(len, align, zone, |_| true)
+            .map(|(s, span)| (s, Window { span }))
     }
 
     /// Whether any free range is pending (guarded by a stream's epoch).
@@ -1788,21 +1842,24 @@ impl Arena {
     }
 
     /// [`first_window`](Self::first_window); `WALK` false: every free
-    /// range is usable, none is looked at.
+    /// range is usable, none is looked at. With the window, the place in
+    /// the spans just past the one that holds it, where it was at hand.
     fn first_window_by<const WALK: bool>(
         &self,
         len: usize,
         align: usize,
         zone: &std::ops::Range<usize>,
         mut usable: impl FnMut(Guard) -> bool,
-    ) -> Option<usize> {
+    ) -> Option<(usize, Option<Pos>)> {
         if len == 0 || zone.start >= zone.end {
             return None;
         }
         let region = &self.gaps.region;
         if zone.start < region.start || zone.end > region.end {
             // Outside the indexed region: walk the zone.
-            return self.first_window_linear(len, align, zone, usable);
+            return self
+                .first_window_linear(len, align, zone, usable)
+                .map(|s| (s, None));
         }
         // The lowest usable window inside the span [o, o+l), if any.
         let mut in_span = |o: usize, l: usize| -> Option<usize> {
@@ -1828,7 +1885,7 @@ impl Arena {
         if let Some((o, &l)) = self.gaps.spans.last_le(&zone.start) {
             if o + l > zone.start {
                 if let Some(s) = in_span(o, l) {
-                    return Some(s);
+                    return Some((s, None));
                 }
             }
             from = zone.start + 1;
@@ -1837,11 +1894,13 @@ impl Arena {
         // with few spans, one walk over them...
         if !self.gaps.indexed {
             use std::ops::ControlFlow::{Break, Continue};
+            // The highest start a window may have in the zone.
+            let last = zone.end.checked_sub(len)?;
             return self
                 .gaps
                 .spans
-                .scan_from(&from, |o, &l| {
-                    if o + len > zone.end {
+                .scan_from_pos(&from, |o, &l| {
+                    if o > last {
                         return Break(None);
                     }
                     match (l >= len).then(|| in_span(o, l)).flatten() {
@@ -1849,7 +1908,7 @@ impl Arena {
                         None => Continue(()),
                     }
                 })
-                .flatten();
+                .and_then(|(s, past)| Some((s?, Some(past))));
         }
         // ...else through the tree.
         let page = self.page;
@@ -1862,7 +1921,7 @@ impl Arena {
             for (o, &l) in self.gaps.spans.range(lo, (q + 1) * page) {
                 if l >= len {
                     if let Some(s) = in_span(o, l) {
-                        return Some(s);
+                        return Some((s, None));
                     }
                 }
             }
@@ -3197,6 +3256,34 @@ mod tests {
         assert_eq!(
             a.first_window(2 * PAGE, PAGE, &(10 * PAGE..20 * PAGE), |_| true),
             Some(10 * PAGE)
+        );
+    }
+
+    /// The walk over the spans takes a window that ends on the zone's
+    /// end exactly, and none that would pass it.
+    #[test]
+    fn first_window_walk_reaches_the_zone_end() {
+        let mut a = arena_with_pages(5);
+        a.take(0, PAGE);
+        a.take(2 * PAGE, PAGE);
+        // Spans: page 1 (too short), then pages 3 and 4 and the hole
+        // after them.
+        let zone = &(0..5 * PAGE);
+        assert_eq!(
+            a.first_window(2 * PAGE, PAGE, zone, |_| true),
+            Some(3 * PAGE)
+        );
+        assert_eq!(a.first_window_any(2 * PAGE, PAGE, zone), Some(3 * PAGE));
+        let (s, w) = a.first_window_any_at(2 * PAGE, PAGE, zone).expect("window");
+        assert_eq!(s, 3 * PAGE);
+        a.take_in_window(s, 2 * PAGE, w);
+        a.check();
+        let short = &(0..7 * PAGE - 1);
+        assert_eq!(a.first_window(2 * PAGE, PAGE, short, |_| true), None);
+        assert_eq!(a.first_window_any(2 * PAGE, PAGE, short), None);
+        assert_eq!(
+            a.first_window_any(2 * PAGE, PAGE, &(0..7 * PAGE)),
+            Some(5 * PAGE)
         );
     }
 

@@ -431,20 +431,37 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
     /// what it said: [`iter_from`](Self::iter_from) with `find_map`, as a
     /// loop over each chunk's slice (no per-entry chunk bounds check), for
     /// long walks.
-    #[inline]
+    #[cfg(test)]
     pub fn scan_from<R>(
         &self,
         k: &K,
-        mut f: impl FnMut(K, &V) -> std::ops::ControlFlow<R>,
+        f: impl FnMut(K, &V) -> std::ops::ControlFlow<R>,
     ) -> Option<R> {
+        self.scan_from_pos(k, f).map(|(r, _)| r)
+    }
+
+    /// [`scan_from`](Self::scan_from), with the place just past the entry
+    /// where `f` said `Break` (the one [`lower_bound`](Self::lower_bound)
+    /// finds for any key above the entry's and up to the next key's), so
+    /// that the entry found is then rewritten with no search.
+    #[inline]
+    pub fn scan_from_pos<R>(
+        &self,
+        k: &K,
+        mut f: impl FnMut(K, &V) -> std::ops::ControlFlow<R>,
+    ) -> Option<(R, Pos)> {
         let (c, mut i) = match self.chunk_le(k) {
             None => (0, 0),
             Some(c) => (c, self.chunks[c].partition_point(|e| e.0 < *k)),
         };
-        for chunk in self.chunks.get(c..).unwrap_or_default() {
-            for e in chunk.get(i..).unwrap_or_default() {
+        for (d, chunk) in self.chunks.get(c..).unwrap_or_default().iter().enumerate() {
+            for (j, e) in chunk.get(i..).unwrap_or_default().iter().enumerate() {
                 if let std::ops::ControlFlow::Break(r) = f(e.0, &e.1) {
-                    return Some(r);
+                    let past = Pos {
+                        c: c + d,
+                        i: i + j + 1,
+                    };
+                    return Some((r, past));
                 }
             }
             i = 0;
@@ -715,6 +732,21 @@ mod tests {
                 });
                 let want = model.range(q..).find(|(_, &v)| v % 3 == 0);
                 assert_eq!(found, kv(want));
+                // Each place handed out lies just past its entry: the
+                // entry is the one before it, the next key the one at it.
+                let found_pos = map.scan_from_pos(&q, |k, &v| {
+                    if v % 3 == 0 {
+                        std::ops::ControlFlow::Break((k, v))
+                    } else {
+                        std::ops::ControlFlow::Continue(())
+                    }
+                });
+                assert_eq!(found_pos.map(|f| f.0), kv(want));
+                if let Some(((k, v), past)) = found_pos {
+                    assert_eq!(map.before(past).map(|(b, &w)| (b, w)), Some((k, v)));
+                    let next = model.range(k + 1..).next();
+                    assert_eq!(map.at(past).map(|(a, &w)| (a, w)), kv(next));
+                }
                 assert!(seen.iter().copied().eq(model
                     .range(q..)
                     .map(|(&k, _)| k)

@@ -5,7 +5,7 @@
 //! searches, the windows that need the fewest driver binds, and which
 //! idle pages to move. Nothing here calls the device.
 
-use crate::arena::{Arena, FreeRange, Guard};
+use crate::arena::{Arena, FreeRange, Guard, Window};
 use crate::config::ReusePolicy;
 use crate::ordering::{Completion, VectorClock};
 use crate::sync::MutexGuard;
@@ -140,11 +140,24 @@ impl ArenaState {
         clock: &VectorClock,
         reuse: ReusePolicy,
     ) -> Option<usize> {
+        self.first_window_at(len, me, clock, reuse).map(|w| w.0)
+    }
+
+    /// [`first_window_for`](Self::first_window_for), with where the window
+    /// lies, for [`Arena::take_in_window`].
+    #[inline]
+    fn first_window_at(
+        &self,
+        len: usize,
+        me: u64,
+        clock: &VectorClock,
+        reuse: ReusePolicy,
+    ) -> Option<(usize, Window)> {
         let (align, zone) = (self.align(len), self.zone(len));
         if self.arena.pending_only_of(me) {
-            return self.arena.first_window_any(len, align, &zone);
+            return self.arena.first_window_any_at(len, align, &zone);
         }
-        self.arena.first_window(len, align, &zone, |g| {
+        self.arena.first_window_at(len, align, &zone, |g| {
             self.classify(g, me, clock, reuse).is_some()
         })
     }
@@ -775,12 +788,12 @@ pub(crate) fn fit(
 ) -> Option<usize> {
     let zone = st.zone(len);
     if st.first_fit(len) {
-        let off = st.first_window_for(len, me, clock, reuse)?;
+        let (off, at) = st.first_window_at(len, me, clock, reuse)?;
         let page = st.arena.page();
         if !(off / page..=(off + len - 1) / page).all(|p| st.arena.is_active(p)) {
             return None;
         }
-        st.arena.take(off, len);
+        st.arena.take_in_window(off, len, at);
         return Some(off);
     }
     let off = {
