@@ -1790,7 +1790,7 @@ impl Arena {
             .map(|w| w.0)
     }
 
-    /// [`first_window`](Self::first_window), with where the window's span
+    /// `first_window`, with where the window's span
     /// lies, for [`take_in_window`](Self::take_in_window).
     pub fn first_window_at(
         &self,
@@ -1803,7 +1803,7 @@ impl Arena {
             .map(|(s, span)| (s, Window { span }))
     }
 
-    /// [`first_window`](Self::first_window) for a caller that may use every
+    /// `first_window` for a caller that may use every
     /// free range (see [`pending_only_of`](Self::pending_only_of)): the
     /// lowest long enough span with no block in use holds the window, and
     /// the free ranges inside it are not looked at.
@@ -1818,7 +1818,7 @@ impl Arena {
             .map(|w| w.0)
     }
 
-    /// [`first_window_any`](Self::first_window_any), with where the
+    /// `first_window_any` (kept for the tests), with where the
     /// window's span lies, for [`take_in_window`](Self::take_in_window).
     pub fn first_window_any_at(
         &self,
@@ -1841,7 +1841,7 @@ impl Arena {
         self.pending.only_of(stream)
     }
 
-    /// [`first_window`](Self::first_window); `WALK` false: every free
+    /// `first_window`; `WALK` false: every free
     /// range is usable, none is looked at. With the window, the place in
     /// the spans just past the one that holds it, where it was at hand.
     fn first_window_by<const WALK: bool>(

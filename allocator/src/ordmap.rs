@@ -440,7 +440,7 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
         self.scan_from_pos(k, f).map(|(r, _)| r)
     }
 
-    /// [`scan_from`](Self::scan_from), with the place just past the entry
+    /// `scan_from` (kept for the tests), with the place just past the entry
     /// where `f` said `Break` (the one [`lower_bound`](Self::lower_bound)
     /// finds for any key above the entry's and up to the next key's), so
     /// that the entry found is then rewritten with no search.
