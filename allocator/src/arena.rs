@@ -1098,7 +1098,7 @@ impl Arena {
         off: usize,
         len: usize,
         mut guard: Guard,
-        settled: &mut impl FnMut(u64) -> u64,
+        settled: &mut dyn FnMut(u64) -> u64,
     ) {
         // One search: the ranges on either side of `off` are read and
         // rewritten in place, or the new one goes between them.
@@ -1184,7 +1184,7 @@ impl Arena {
         mut guard: Guard,
         left: Option<Placed>,
         right: Option<Placed>,
-        settled: &mut impl FnMut(u64) -> u64,
+        settled: &mut dyn FnMut(u64) -> u64,
     ) -> Guard {
         let Guard::After { stream, epoch } = guard else {
             return guard;
@@ -1469,7 +1469,7 @@ impl Arena {
         off: usize,
         len: usize,
         guard: Guard,
-        settled: &mut impl FnMut(u64) -> u64,
+        settled: &mut dyn FnMut(u64) -> u64,
     ) {
         self.run_add(off, len);
         self.gaps.release(off, len);
