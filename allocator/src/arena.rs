@@ -476,11 +476,11 @@ impl Guard {
     /// epoch covers the earlier one, and the stream's frees complete in
     /// order). A completed range never merges into a pending one: its
     /// bytes would take the pending free's guard and stop being usable by
-    /// every other stream until that free completes. The arena knows only
-    /// the guards, not the completions observed since they were set: an
-    /// earlier free of the stream that has completed but is not settled
-    /// yet (a host wait since, no poll) takes the later epoch in a merge
-    /// and waits for it too.
+    /// every other stream until that free completes. The guards do not say
+    /// what completed since they were set, so a free given back next to
+    /// another epoch of its stream first asks the caller how far the
+    /// stream is known complete (see [`Arena::give_back_settling`]) and
+    /// settles the earlier one, if complete, instead of merging it.
     pub fn merge(self, other: Guard) -> Option<Guard> {
         match (self, other) {
             (Guard::Complete, Guard::Complete) => Some(Guard::Complete),
@@ -500,6 +500,22 @@ impl Guard {
             _ => None,
         }
     }
+}
+
+/// A free range and its start.
+type Placed = (usize, FreeRange);
+
+/// Whether two guards are different epochs of one stream (a merge would
+/// make the earlier one wait for the later one).
+#[inline]
+fn epochs_meet(a: Guard, b: Guard) -> bool {
+    matches!(
+        (a, b),
+        (
+            Guard::After { stream: s, epoch: x },
+            Guard::After { stream: t, epoch: y },
+        ) if s == t && x != y
+    )
 }
 
 /// The pending free ranges, for `settle`: per stream (the few that have
@@ -1072,21 +1088,32 @@ impl Arena {
     /// (the left neighbour first, then the right one under the merged
     /// guard). A range merged into its left neighbour keeps that
     /// neighbour's key: its entry by address is updated in place.
-    fn insert_free(&mut self, off: usize, len: usize, guard: Guard) {
+    ///
+    /// Where the block's guard and a neighbour's are two different epochs
+    /// of one stream, the earlier of the two is settled to `Complete`
+    /// first if `settled` (the highest epoch of a stream known complete)
+    /// covers it, so that it does not take the later epoch in a merge.
+    fn insert_free(
+        &mut self,
+        off: usize,
+        len: usize,
+        mut guard: Guard,
+        settled: &mut dyn FnMut(u64) -> u64,
+    ) {
         // One search: the ranges on either side of `off` are read and
         // rewritten in place, or the new one goes between them.
-        let pos = self.free.lower_bound(&off);
-        let left = self
-            .free
-            .before(pos)
-            .filter(|&(lo, l)| lo + l.len == off)
-            .and_then(|(lo, &l)| l.guard.merge(guard).map(|g| (lo, l, g)));
+        let mut pos = self.free.lower_bound(&off);
+        let (mut l_adj, mut r_adj) = self.touching(pos, off, len);
+        let meets =
+            |n: Option<(usize, FreeRange)>| n.is_some_and(|(_, r)| epochs_meet(r.guard, guard));
+        if meets(l_adj) || meets(r_adj) {
+            guard = self.settle_meeting(pos, guard, l_adj, r_adj, settled);
+            pos = self.free.lower_bound(&off);
+            (l_adj, r_adj) = self.touching(pos, off, len);
+        }
+        let left = l_adj.and_then(|(lo, l)| l.guard.merge(guard).map(|g| (lo, l, g)));
         let after_left = left.map_or(guard, |(_, _, g)| g);
-        let right = self
-            .free
-            .at(pos)
-            .filter(|&(ro, _)| ro == off + len)
-            .and_then(|(ro, &r)| r.guard.merge(after_left).map(|g| (ro, r, g)));
+        let right = r_adj.and_then(|(ro, r)| r.guard.merge(after_left).map(|g| (ro, r, g)));
         match (left, right) {
             (None, None) => {
                 self.free.insert_at(pos, off, FreeRange { len, guard });
@@ -1123,6 +1150,67 @@ impl Arena {
                 self.reindex_pending(end, r.guard, end, g);
             }
         }
+    }
+
+    /// The free ranges that end at `off` and start at `off + len`, around
+    /// `pos` (where `off` would go).
+    #[inline(always)]
+    fn touching(&self, pos: Pos, off: usize, len: usize) -> (Option<Placed>, Option<Placed>) {
+        let left = self
+            .free
+            .before(pos)
+            .filter(|&(lo, l)| lo + l.len == off)
+            .map(|(lo, &l)| (lo, l));
+        let right = self
+            .free
+            .at(pos)
+            .filter(|&(ro, _)| ro == off + len)
+            .map(|(ro, &r)| (ro, r));
+        (left, right)
+    }
+
+    /// [`insert_free`](Self::insert_free)'s rare part: a block under
+    /// `guard` about to go at `pos` touches a range `left` or `right`
+    /// under another epoch of the same stream. The earlier of the two, if
+    /// `settled` covers it, is settled to `Complete` (the neighbour in
+    /// place, merging with its own neighbours; the block by the guard
+    /// returned). Positions in the free map may move: the caller searches
+    /// again.
+    #[cold]
+    #[inline(never)]
+    fn settle_meeting(
+        &mut self,
+        pos: Pos,
+        mut guard: Guard,
+        left: Option<Placed>,
+        right: Option<Placed>,
+        settled: &mut dyn FnMut(u64) -> u64,
+    ) -> Guard {
+        let Guard::After { stream, epoch } = guard else {
+            return guard;
+        };
+        let upto = settled(stream);
+        let covered = |g: Guard| matches!(g, Guard::After { epoch: e, .. } if e <= upto);
+        if epoch <= upto {
+            // The block is complete: it merges with no pending neighbour,
+            // and a completed neighbour of a later epoch is settled below
+            // by the next settle like the rest of its epoch.
+            guard = Guard::Complete;
+        }
+        // The right neighbour first: settling it leaves the left one (and
+        // `pos`, the right one's position) where they are.
+        if let Some((ro, r)) = right {
+            if epochs_meet(r.guard, Guard::After { stream, epoch }) && covered(r.guard) {
+                self.upgrade_at(pos, ro, r, Guard::Complete);
+            }
+        }
+        if let Some((lo, l)) = left {
+            if epochs_meet(l.guard, Guard::After { stream, epoch }) && covered(l.guard) {
+                let lp = self.free.pos_before(pos).expect("left neighbour");
+                self.upgrade_at(lp, lo, l, Guard::Complete);
+            }
+        }
+        guard
     }
 
     fn page_span(&self, off: usize, len: usize) -> std::ops::RangeInclusive<usize> {
@@ -1290,15 +1378,32 @@ impl Arena {
         self.add_users(off, len);
     }
 
-    /// Return a block to the free ranges under `guard`.
+    /// `give_back_settling` with nothing known complete (tests).
+    #[cfg(test)]
     pub fn give_back(&mut self, off: usize, len: usize, guard: Guard) {
+        self.give_back_settling(off, len, guard, |_| 0);
+    }
+
+    /// Return a block to the free ranges under `guard`. `settled(stream)`
+    /// is the highest epoch of `stream` known complete (0: none): it is
+    /// asked only when the block's guard and a neighbour's are two
+    /// different epochs of one stream, so that the earlier one, if
+    /// complete, is settled rather than merged under the later epoch.
+    pub fn give_back_settling(
+        &mut self,
+        off: usize,
+        len: usize,
+        guard: Guard,
+        mut settled: impl FnMut(u64) -> u64,
+    ) {
         self.drop_users(off, len);
-        self.free_span(off, len, guard);
+        self.free_span(off, len, guard, &mut settled);
     }
 
     /// Give back blocks of one stream, each under `After { stream, epoch
     /// }` with its own epoch: `fill` pushes them as (start, length, epoch).
-    /// The arena ends as one [`give_back`](Self::give_back) per block in
+    /// With nothing known complete, the arena ends as one
+    /// [`give_back_settling`](Self::give_back_settling) per block in
     /// the order pushed would leave it (the same free ranges and guards,
     /// runs, gaps and idle stamps), but blocks that touch each other are
     /// first joined into one span, which then costs one insertion into
@@ -1306,11 +1411,16 @@ impl Arena {
     /// the maps: adjacent free ranges end merged wherever their guards
     /// allow, whatever order they came in (merging is transitive, and the
     /// merged epoch is the latest), so only the idle stamps, given page
-    /// by page, follow the order pushed. Returns how many blocks there
-    /// were.
+    /// by page, follow the order pushed. `settled` is asked, as in
+    /// [`give_back_settling`](Self::give_back_settling), at most once and
+    /// only where two touching blocks (or a span and its neighbour in the
+    /// arena) are of different epochs: blocks of an epoch it covers are
+    /// not joined to later ones but settled. Returns how many blocks
+    /// there were.
     pub fn give_back_stream(
         &mut self,
         stream: u64,
+        mut settled: impl FnMut(u64) -> u64,
         fill: impl FnOnce(&mut Vec<(usize, usize, u64)>),
     ) -> usize {
         let mut blocks = std::mem::take(&mut self.batch_scratch);
@@ -1318,8 +1428,11 @@ impl Arena {
         fill(&mut blocks);
         let n = blocks.len();
         let guard = |epoch| Guard::After { stream, epoch };
+        // Asked once, when first needed: every question is about `stream`.
+        let mut upto = None;
+        let mut settled = move |s: u64| *upto.get_or_insert_with(|| settled(s));
         if let [(off, len, epoch)] = blocks[..] {
-            self.give_back(off, len, guard(epoch));
+            self.give_back_settling(off, len, guard(epoch), settled);
         } else if n > 1 {
             for &(off, len, _) in &blocks {
                 self.drop_users(off, len);
@@ -1330,24 +1443,37 @@ impl Arena {
                 let (off, mut len, mut epoch) = blocks[i];
                 i += 1;
                 while i < n && blocks[i].0 == off + len {
+                    let next = blocks[i].2;
+                    if next != epoch && epoch.min(next) <= settled(stream) {
+                        // The earlier part is complete: the spans stay
+                        // apart, and the arena settles it when they meet.
+                        break;
+                    }
                     len += blocks[i].1;
-                    epoch = epoch.max(blocks[i].2);
+                    epoch = epoch.max(next);
                     i += 1;
                 }
-                self.free_span(off, len, guard(epoch));
+                self.free_span(off, len, guard(epoch), &mut settled);
             }
         }
         self.batch_scratch = blocks;
         n
     }
 
-    /// The maps' part of [`give_back`](Self::give_back): `[off, off+len)`,
+    /// The maps' part of
+    /// [`give_back_settling`](Self::give_back_settling): `[off, off+len)`,
     /// its pages' users already dropped, becomes free under `guard`.
     #[inline]
-    fn free_span(&mut self, off: usize, len: usize, guard: Guard) {
+    fn free_span(
+        &mut self,
+        off: usize,
+        len: usize,
+        guard: Guard,
+        settled: &mut dyn FnMut(u64) -> u64,
+    ) {
         self.run_add(off, len);
         self.gaps.release(off, len);
-        self.insert_free(off, len, guard);
+        self.insert_free(off, len, guard, settled);
     }
 
     /// Best-fit search: in the smallest run of adjacent free ranges that
@@ -2088,7 +2214,7 @@ impl Arena {
             self.idle_clock += 1;
         }
         self.run_add(ps, pe - ps);
-        self.insert_free(ps, pe - ps, Guard::Complete);
+        self.insert_free(ps, pe - ps, Guard::Complete, &mut |_| 0);
     }
 
     /// The unit active at page `p` (its first page), idle on every page,
@@ -2817,7 +2943,7 @@ mod tests {
             for &(o, l, epoch) in &blocks {
                 one.give_back(o, l, Guard::After { stream, epoch });
             }
-            let n = batch.give_back_stream(stream, |b| b.extend_from_slice(&blocks));
+            let n = batch.give_back_stream(stream, |_| 0, |b| b.extend_from_slice(&blocks));
             proptest::prop_assert_eq!(n, blocks.len());
             batch.check();
             proptest::prop_assert_eq!(all_books(&one), all_books(&batch));

@@ -768,6 +768,19 @@ impl Completion {
         *e = (*e).max(epoch);
     }
 
+    /// The highest epoch of `stream` whose frees may be settled to
+    /// `Complete`, reusable by every stream: the host synchronised with
+    /// it, or (under opportunistic reuse) an event query saw it complete.
+    /// What [`StreamOrder::observe_completions`] settles.
+    pub fn settled(&self, stream: u64, opportunistic: bool) -> u64 {
+        let synced = self.synced(stream);
+        if opportunistic {
+            synced.max(self.observed(stream))
+        } else {
+            synced
+        }
+    }
+
     /// Whether the device work before a free is known to be done (the only
     /// condition under which its memory may be unmapped or released).
     pub fn is_complete(&self, guard: Guard) -> bool {
@@ -1331,19 +1344,29 @@ impl<D: Device> StreamOrder<D> {
     /// Move the privately cached frees of the stream `me` (its entry) into
     /// the arena, straight from the cache under the stream's lock (taken
     /// after the arena's, as everywhere).
-    pub fn flush_own_cache(&self, arena: &mut Arena, me: u64, entry: &StreamEntry) {
+    pub fn flush_own_cache(
+        &self,
+        arena: &mut Arena,
+        done: &Completion,
+        opportunistic: bool,
+        me: u64,
+        entry: &StreamEntry,
+    ) {
         let mut st = lock(&entry.state);
-        arena.give_back_stream(me, |blocks| {
+        let settled = |s| done.settled(s, opportunistic);
+        arena.give_back_stream(me, settled, |blocks| {
             st.drain_cache_with(|len, b| blocks.push((b.offset, len, b.epoch)));
         });
     }
 
     /// Move every stream's privately cached frees into the arena (only
-    /// busy streams have any).
-    pub fn flush_caches(&self, arena: &mut Arena) -> usize {
+    /// busy streams have any). Cached frees known complete (`done`, as
+    /// the settle judges it) are not joined to later ones.
+    pub fn flush_caches(&self, arena: &mut Arena, done: &Completion, opportunistic: bool) -> usize {
         let mut moved = 0;
         self.for_busy(|id, st| {
-            moved += arena.give_back_stream(id, |blocks| {
+            let settled = |s| done.settled(s, opportunistic);
+            moved += arena.give_back_stream(id, settled, |blocks| {
                 st.drain_cache_with(|len, b| blocks.push((b.offset, len, b.epoch)));
             });
         });
@@ -1370,10 +1393,7 @@ impl<D: Device> StreamOrder<D> {
             self.observe_recorded(id, s, done);
         });
         arena.settle(|g| match g {
-            Guard::After { stream, epoch }
-                if done.synced(stream) >= epoch
-                    || (opportunistic && done.observed(stream) >= epoch) =>
-            {
+            Guard::After { stream, epoch } if done.settled(stream, opportunistic) >= epoch => {
                 Some(Guard::Complete)
             }
             _ => None,

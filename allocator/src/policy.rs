@@ -134,11 +134,11 @@ pub(crate) fn acquire<'a, D: Device>(
 /// the block a consumer freed as soon as it is done.
 fn fit_known<D: Device>(cx: &mut Ctx<'_, D>) -> Option<usize> {
     let st = cx.st.as_mut().expect(HELD);
-    cx.pool
-        .order
-        .flush_own_cache(&mut st.arena, cx.me, cx.entry);
     {
         let ArenaState { arena, done, .. } = &mut **st;
+        cx.pool
+            .order
+            .flush_own_cache(arena, done, cx.reuse.opportunistic, cx.me, cx.entry);
         cx.pool
             .order
             .poll_completions(arena, done, cx.reuse.opportunistic, cx.me, Some(cx.entry));
@@ -158,7 +158,7 @@ fn fit_observed<D: Device>(cx: &mut Ctx<'_, D>) -> Option<usize> {
 /// Every stream's cache into the arena, then the events queried.
 fn observe<D: Device>(order: &StreamOrder<D>, st: &mut State<'_>, reuse: ReusePolicy) {
     let ArenaState { arena, done, .. } = &mut **st;
-    order.flush_caches(arena);
+    order.flush_caches(arena, done, reuse.opportunistic);
     order.observe_completions(arena, done, reuse.opportunistic);
 }
 

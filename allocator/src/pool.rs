@@ -987,15 +987,18 @@ impl<D: Device> MemPool<D> {
             (st.drain_cache(), st.orphaned.is_some())
         };
         {
+            let opportunistic = inner.opportunistic.load(Ordering::Relaxed);
             let mut arena = lock(&inner.arena);
+            let ArenaState { arena, done, .. } = &mut *arena;
             for (len, b) in drained {
-                arena.arena.give_back(
+                arena.give_back_settling(
                     b.offset,
                     len,
                     Guard::After {
                         stream: stream.id(),
                         epoch: b.epoch,
                     },
+                    |s| done.settled(s, opportunistic),
                 );
             }
         }
@@ -1251,14 +1254,19 @@ impl<D: Device> PoolInner<D> {
     /// other streams' next slow allocation learns when it completes.
     #[cold]
     fn spill(&self, stream: Stream, offset: usize, len: usize, epoch: u64) {
-        lock(&self.arena).arena.give_back(
+        let opportunistic = self.opportunistic.load(Ordering::Relaxed);
+        let mut st = lock(&self.arena);
+        let ArenaState { arena, done, .. } = &mut *st;
+        arena.give_back_settling(
             offset,
             len,
             Guard::After {
                 stream: stream.id(),
                 epoch,
             },
+            |s| done.settled(s, opportunistic),
         );
+        drop(st);
         self.order.watch_stream(stream);
     }
 
@@ -1413,13 +1421,16 @@ impl<D: Device> PoolInner<D> {
             u.close_epoch_orphaned();
             u.orphaned.expect("an epoch with a free was just closed")
         };
-        arena.arena.give_back(
+        let opportunistic = self.opportunistic.load(Ordering::Relaxed);
+        let ArenaState { arena: a, done, .. } = &mut *arena;
+        a.give_back_settling(
             offset,
             len,
             Guard::After {
                 stream: user.id(),
                 epoch,
             },
+            |s| done.settled(s, opportunistic),
         );
         drop(arena);
         if new_donor {
@@ -1580,9 +1591,9 @@ impl<D: Device> PoolInner<D> {
         let mut st = lock(&self.arena);
         {
             let ArenaState { arena, done, .. } = &mut *st;
-            self.order.flush_caches(arena);
-            self.order
-                .observe_completions(arena, done, self.reuse().opportunistic);
+            let opportunistic = self.reuse().opportunistic;
+            self.order.flush_caches(arena, done, opportunistic);
+            self.order.observe_completions(arena, done, opportunistic);
         }
         let released = self.pages().trim(&mut st, target)?;
         drop(st);

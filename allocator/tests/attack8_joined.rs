@@ -4,9 +4,10 @@
 //! cached side by side while the stream is held busy, then flushed into
 //! the arena by a trim (every busy stream's cache) or by the stream's own
 //! slow allocation. Blocks that touch are joined before they reach the
-//! maps, under the latest of their epochs: another stream must not be
-//! handed any byte of a joined span before that epoch completes, even
-//! when an earlier epoch of the span is already known complete. Checked
+//! maps, under the latest of their epochs, except that blocks of an epoch
+//! already known complete are kept apart: another stream must not be
+//! handed any byte of a block of the later epoch before it completes
+//! (the blocks of the completed epoch it may have). Checked
 //! twice: with the pool's own answers (which offsets it hands out) and
 //! with data, a "kernel" queued on the held stream writing a tag over the
 //! blocks of the later epoch and a pattern written by the other stream
@@ -102,8 +103,8 @@ const LAYOUTS: [Layout; 4] = [
 /// `size` on `a`, freed on `a` in two epochs per `layout` while `a` is
 /// held busy, the first epoch then known complete (synchronised), the
 /// cache flushed per `flush`; stream `b` then asks for blocks of the
-/// row's size and of the row's whole length and must get none of the
-/// row's bytes; at the end nothing is used or reserved.
+/// row's size and of the row's whole length and must get no byte of the
+/// later epoch's blocks; at the end nothing is used or reserved.
 fn joined_epochs_run(size: usize, layout: &Layout, flush: Flush) {
     let what = format!("size {size}, layout {:?}, {flush:?}", layout.epochs);
     let dev = device(1 << 30);
@@ -124,7 +125,6 @@ fn joined_epochs_run(size: usize, layout: &Layout, flush: Flush) {
         );
     }
     let ptrs: Vec<u64> = row.iter().map(|x| x.ptr()).collect();
-    let row_span = (ptrs[0], ptrs[0] + n as u64 * len);
     let later: Vec<(u64, u64)> = (0..n)
         .filter(|&i| layout.epochs[i] == 1)
         .map(|i| (ptrs[i], ptrs[i] + len))
@@ -181,15 +181,6 @@ fn joined_epochs_run(size: usize, layout: &Layout, flush: Flush) {
             at.0,
             at.1
         );
-        assert!(
-            !overlaps(row_span, at),
-            "{what}: stream b got [{:#x}, {:#x}) inside the row [{:#x}, {:#x}), \
-             whose joined free is pending until the later epoch completes",
-            at.0,
-            at.1,
-            row_span.0,
-            row_span.1
-        );
         let seed = 0xB0B0_0000u32 | k as u32;
         dev.write_words(x.ptr(), &vec![seed; (ask / 4).min(4096)])
             .unwrap();
@@ -236,7 +227,7 @@ const JOIN_SIZES: [usize; 8] = [
 ];
 
 #[test]
-fn joined_epochs_stay_pending_until_the_latest_completes_trim() {
+fn joined_epochs_later_blocks_stay_pending_trim() {
     for &size in &JOIN_SIZES {
         for layout in &LAYOUTS {
             joined_epochs_run(size, layout, Flush::Trim);
@@ -245,7 +236,7 @@ fn joined_epochs_stay_pending_until_the_latest_completes_trim() {
 }
 
 #[test]
-fn joined_epochs_stay_pending_until_the_latest_completes_own_flush() {
+fn joined_epochs_later_blocks_stay_pending_own_flush() {
     for &size in &JOIN_SIZES {
         for layout in &LAYOUTS {
             joined_epochs_run(size, layout, Flush::OwnSlowAlloc);
