@@ -26,33 +26,24 @@ mod common;
 use common::{tag_kernel, Blocker};
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
-use tidepool::{Allocation, MemPool, PoolConfig};
-use tidepool_sys::{Device, HostConfig, HostDevice, Stream};
+use tidepool::{Allocation, MemPool};
+use tidepool_sys::{Device, HostDevice, Stream};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
-const PAGE: usize = 2 * MIB;
 
 /// What a block of `size` bytes takes in the arena.
 fn span(size: usize) -> usize {
     size.next_multiple_of(512)
 }
 
-fn device(capacity: usize) -> Arc<HostDevice> {
-    Arc::new(HostDevice::with_config(HostConfig {
-        capacity,
-        granularity: PAGE,
-    }))
+/// A host device of 1 GiB (the shared test helper's).
+fn device() -> Arc<HostDevice> {
+    Arc::new(common::host())
 }
 
 fn pool(dev: &Arc<HostDevice>, cache: usize) -> MemPool<HostDevice> {
-    MemPool::new(
-        dev.clone(),
-        PoolConfig::default()
-            .with_va_size(4 << 30)
-            .with_stream_cache_bytes(cache),
-    )
-    .expect("pool")
+    common::pool(dev, common::config().with_stream_cache_bytes(cache))
 }
 
 fn overlaps(a: (u64, u64), b: (u64, u64)) -> bool {
@@ -107,7 +98,7 @@ const LAYOUTS: [Layout; 4] = [
 /// later epoch's blocks; at the end nothing is used or reserved.
 fn joined_epochs_run(size: usize, layout: &Layout, flush: Flush) {
     let what = format!("size {size}, layout {:?}, {flush:?}", layout.epochs);
-    let dev = device(1 << 30);
+    let dev = device();
     let pool = pool(&dev, 256 * MIB);
     let (a, b) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
     let n = layout.epochs.len();
@@ -369,7 +360,7 @@ fn churn(t: usize, dev: Arc<HostDevice>, pool: Arc<MemPool<HostDevice>>, all: Ar
 #[test]
 fn threads_flushing_caches_of_several_epochs_keep_patterns_and_footprint() {
     for cache in [512 * KIB, 4 * MIB, 256 * MIB] {
-        let dev = device(1 << 30);
+        let dev = device();
         let pool = Arc::new(pool(&dev, cache));
         let all: Arc<Vec<Stream>> =
             Arc::new((0..THREADS).map(|_| dev.create_stream().unwrap()).collect());

@@ -16,27 +16,19 @@ mod common;
 
 use common::Blocker;
 use std::sync::Arc;
-use tidepool::{Allocation, MemPool, PoolConfig};
-use tidepool_sys::{Device, HostConfig, HostDevice};
+use tidepool::{Allocation, MemPool};
+use tidepool_sys::{Device, HostDevice};
 
 const MIB: usize = 1 << 20;
 const BLOCK: usize = MIB;
 
+/// A host device of 1 GiB (the shared test helper's).
 fn device() -> Arc<HostDevice> {
-    Arc::new(HostDevice::with_config(HostConfig {
-        capacity: 1 << 30,
-        granularity: common::PAGE,
-    }))
+    Arc::new(common::host())
 }
 
 fn pool(dev: &Arc<HostDevice>, cache: usize) -> MemPool<HostDevice> {
-    MemPool::new(
-        dev.clone(),
-        PoolConfig::default()
-            .with_va_size(4 << 30)
-            .with_stream_cache_bytes(cache),
-    )
-    .expect("pool")
+    common::pool(dev, common::config().with_stream_cache_bytes(cache))
 }
 
 /// Where x1 lies with respect to x0.
