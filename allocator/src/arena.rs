@@ -52,6 +52,18 @@ impl PageNo {
     }
 }
 
+/// `x` rounded up to a multiple of `align` (not 0): a mask where `align`
+/// is a power of two (1 or a page: always, with a device's granularity),
+/// where `next_multiple_of` divides.
+#[inline(always)]
+fn align_up(x: usize, align: usize) -> usize {
+    if align.is_power_of_two() {
+        (x + (align - 1)) & !(align - 1)
+    } else {
+        x.next_multiple_of(align)
+    }
+}
+
 /// A set of page numbers below a bound fixed at creation: one bit per page,
 /// plus one summary bit per word that says whether the word is non-zero,
 /// so that searches skip empty stretches 4096 pages at a time. Insert and
@@ -1532,7 +1544,7 @@ impl Arena {
             .map(|(k, _)| from_size_key(k))
         {
             let (lo, hi) = (roff.max(zone.start), (roff + rlen).min(zone.end));
-            if lo >= hi || lo.next_multiple_of(align) + len > hi {
+            if lo >= hi || align_up(lo, align) + len > hi {
                 continue;
             }
             // One range: no walk. A run is cut at the ends of the best-fit
@@ -1545,7 +1557,7 @@ impl Arena {
                 .expect("a run lies in free ranges");
             if fo + first.len >= roff + rlen {
                 if let Some(c) = class(first.guard) {
-                    let off = lo.next_multiple_of(align);
+                    let off = align_up(lo, align);
                     if c == 0 {
                         return Some((off, 0));
                     }
@@ -1584,7 +1596,7 @@ impl Arena {
                         m += 1;
                     }
                     let (so, se) = (comps[k].0.max(lo), comps[m].1.min(hi));
-                    let w = so.next_multiple_of(align);
+                    let w = align_up(so, align);
                     if w + len <= se {
                         // The window's class: the worst range it overlaps.
                         let worst = comps[k..=m]
@@ -1631,7 +1643,7 @@ impl Arena {
             .find_map(|(k, _)| {
                 let (rlen, roff) = from_size_key(k);
                 let (lo, hi) = (roff.max(zone.start), (roff + rlen).min(zone.end));
-                let off = lo.next_multiple_of(align);
+                let off = align_up(lo, align);
                 (lo < hi && off + len <= hi).then_some(off)
             })
     }
@@ -2022,7 +2034,7 @@ impl Arena {
         // The lowest usable window inside the span [o, o+l), if any.
         let mut in_span = |o: usize, l: usize| -> Option<usize> {
             let hi = (o + l).min(zone.end);
-            let mut s = o.max(zone.start).next_multiple_of(align);
+            let mut s = align_up(o.max(zone.start), align);
             'window: while s + len <= hi {
                 if !WALK {
                     return Some(s);
@@ -2030,7 +2042,7 @@ impl Arena {
                 let fs = self.free.last_le(&s).map_or(s, |(fo, _)| fo);
                 for (fo, r) in self.free.range(fs, s + len) {
                     if fo + r.len > s && !usable(r.guard) {
-                        s = (fo + r.len).next_multiple_of(align);
+                        s = align_up(fo + r.len, align);
                         continue 'window;
                     }
                 }
@@ -2141,7 +2153,7 @@ impl Arena {
                 _ => lo,
             };
             span = Some((s0, hi));
-            let start = s0.next_multiple_of(align);
+            let start = align_up(s0, align);
             if start + len <= hi {
                 return Some(start);
             }
@@ -2553,6 +2565,28 @@ mod tests {
         }
         a.check();
         a
+    }
+
+    #[test]
+    fn align_up_agrees_with_next_multiple_of() {
+        for align in [1, 2, 512, 4096, 3 * 4096, 1 << 21, 5 * (1 << 21)] {
+            for x in [
+                0,
+                1,
+                align - 1,
+                align,
+                align + 1,
+                7 * align - 1,
+                7 * align,
+                1 << 40,
+            ] {
+                assert_eq!(
+                    align_up(x, align),
+                    x.next_multiple_of(align),
+                    "{x} to {align}"
+                );
+            }
+        }
     }
 
     #[test]
