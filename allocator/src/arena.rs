@@ -2050,15 +2050,16 @@ impl Arena {
             }
             None
         };
-        // The span holding the zone's start...
-        let mut from = zone.start;
-        if let Some((o, &l)) = self.gaps.spans.last_le(&zone.start) {
+        // The span holding the zone's start (the last one starting at or
+        // below it), found with the place the walk below starts from...
+        let from = zone.start + 1;
+        let at = self.gaps.spans.lower_bound(&from);
+        if let Some((o, &l)) = self.gaps.spans.before(at) {
             if o + l > zone.start {
                 if let Some(s) = in_span(o, l) {
                     return Some((s, None));
                 }
             }
-            from = zone.start + 1;
         }
         // ...then the spans starting after it, lowest first, long enough:
         // with few spans, one walk over them...
@@ -2069,7 +2070,7 @@ impl Arena {
             return self
                 .gaps
                 .spans
-                .scan_from_pos(&from, |o, &l| {
+                .scan_at(at, |o, &l| {
                     if o > last {
                         return Break(None);
                     }
