@@ -316,6 +316,16 @@ impl Gaps {
 
     fn insert(&mut self, off: usize, len: usize) {
         self.spans.insert(off, len);
+        self.started(off, len);
+    }
+
+    /// A span of `len` bytes now starts at `off`: one more start in its
+    /// page, whose leaf grows to it (nothing while the tree is not kept).
+    #[inline]
+    fn started(&mut self, off: usize, len: usize) {
+        if !self.indexed {
+            return;
+        }
         let p = self.page_no.of(off);
         self.count(p, true);
         if len > self.tree[self.leaves + p] {
@@ -351,6 +361,9 @@ impl Gaps {
     /// The leaves after the span of `was` bytes at `old` became `[new,
     /// new + len)` in the map.
     fn reshaped(&mut self, old: usize, new: usize, len: usize, was: usize) {
+        if !self.indexed {
+            return;
+        }
         let (po, pn) = (self.page_no.of(old), self.page_no.of(new));
         if po != pn {
             self.count(po, false);
@@ -390,9 +403,11 @@ impl Gaps {
                 // rewritten where the search found them.
                 *self.spans.before_mut(pos).expect("left span") = ll + len + rl;
                 self.spans.remove_at_pos(pos);
-                let pr = self.page_no.of(off + len);
-                self.count(pr, false);
-                self.lost(pr, rl, None);
+                if self.indexed {
+                    let pr = self.page_no.of(off + len);
+                    self.count(pr, false);
+                    self.lost(pr, rl, None);
+                }
                 self.reshaped(lo, lo, ll + len + rl, ll);
             }
             (Some((lo, ll)), None) => {
@@ -405,11 +420,7 @@ impl Gaps {
             }
             (None, None) => {
                 self.spans.insert_at(pos, off, len);
-                let p = self.page_no.of(off);
-                self.count(p, true);
-                if len > self.tree[self.leaves + p] {
-                    self.set_leaf(p, len);
-                }
+                self.started(off, len);
             }
         }
     }
