@@ -24,6 +24,46 @@ use slab::Slab;
 use std::collections::BTreeSet;
 use tidepool_sys::Physical;
 
+/// The page number of a byte offset: a shift where the page size is a
+/// power of two (a device's granularity always is), a division otherwise.
+/// A division costs every take and give-back several instructions (and
+/// tens of cycles) where a shift costs one.
+#[derive(Debug, Clone, Copy)]
+struct PageNo {
+    page: usize,
+    shift: Option<u32>,
+}
+
+impl PageNo {
+    fn new(page: usize) -> Self {
+        PageNo {
+            page,
+            shift: page.is_power_of_two().then(|| page.trailing_zeros()),
+        }
+    }
+
+    /// The page holding byte `off`.
+    #[inline(always)]
+    fn of(self, off: usize) -> usize {
+        match self.shift {
+            Some(s) => off >> s,
+            None => off / self.page,
+        }
+    }
+}
+
+/// `x` rounded up to a multiple of `align` (not 0): a mask where `align`
+/// is a power of two (1 or a page: always, with a device's granularity),
+/// where `next_multiple_of` divides.
+#[inline(always)]
+fn align_up(x: usize, align: usize) -> usize {
+    if align.is_power_of_two() {
+        (x + (align - 1)) & !(align - 1)
+    } else {
+        x.next_multiple_of(align)
+    }
+}
+
 /// A set of page numbers below a bound fixed at creation: one bit per page,
 /// plus one summary bit per word that says whether the word is non-zero,
 /// so that searches skip empty stretches 4096 pages at a time. Insert and
@@ -179,6 +219,7 @@ struct Gaps {
     starts: Vec<u32>,
     leaves: usize,
     page: usize,
+    page_no: PageNo,
     /// The part of the address space the spans cover (first fit is used
     /// there only): spans are cut at its ends.
     region: std::ops::Range<usize>,
@@ -196,6 +237,7 @@ impl Gaps {
             starts: vec![0; leaves],
             leaves,
             page,
+            page_no: PageNo::new(page),
             region: region.clone(),
         };
         if region.start < region.end {
@@ -230,7 +272,7 @@ impl Gaps {
         self.tree.fill(0);
         self.starts.fill(0);
         for (o, &l) in self.spans.iter() {
-            let p = o / self.page;
+            let p = self.page_no.of(o);
             self.starts[p] += 1;
             let leaf = &mut self.tree[self.leaves + p];
             *leaf = (*leaf).max(l);
@@ -274,7 +316,17 @@ impl Gaps {
 
     fn insert(&mut self, off: usize, len: usize) {
         self.spans.insert(off, len);
-        let p = off / self.page;
+        self.started(off, len);
+    }
+
+    /// A span of `len` bytes now starts at `off`: one more start in its
+    /// page, whose leaf grows to it (nothing while the tree is not kept).
+    #[inline]
+    fn started(&mut self, off: usize, len: usize) {
+        if !self.indexed {
+            return;
+        }
+        let p = self.page_no.of(off);
         self.count(p, true);
         if len > self.tree[self.leaves + p] {
             self.set_leaf(p, len);
@@ -309,7 +361,10 @@ impl Gaps {
     /// The leaves after the span of `was` bytes at `old` became `[new,
     /// new + len)` in the map.
     fn reshaped(&mut self, old: usize, new: usize, len: usize, was: usize) {
-        let (po, pn) = (old / self.page, new / self.page);
+        if !self.indexed {
+            return;
+        }
+        let (po, pn) = (self.page_no.of(old), self.page_no.of(new));
         if po != pn {
             self.count(po, false);
             self.count(pn, true);
@@ -348,9 +403,11 @@ impl Gaps {
                 // rewritten where the search found them.
                 *self.spans.before_mut(pos).expect("left span") = ll + len + rl;
                 self.spans.remove_at_pos(pos);
-                let pr = (off + len) / self.page;
-                self.count(pr, false);
-                self.lost(pr, rl, None);
+                if self.indexed {
+                    let pr = self.page_no.of(off + len);
+                    self.count(pr, false);
+                    self.lost(pr, rl, None);
+                }
                 self.reshaped(lo, lo, ll + len + rl, ll);
             }
             (Some((lo, ll)), None) => {
@@ -363,11 +420,7 @@ impl Gaps {
             }
             (None, None) => {
                 self.spans.insert_at(pos, off, len);
-                let p = off / self.page;
-                self.count(p, true);
-                if len > self.tree[self.leaves + p] {
-                    self.set_leaf(p, len);
-                }
+                self.started(off, len);
             }
         }
     }
@@ -397,7 +450,7 @@ impl Gaps {
             }
             (false, false) => {
                 self.spans.remove_before(pos);
-                let p = so / self.page;
+                let p = self.page_no.of(so);
                 self.count(p, false);
                 self.lost(p, sl, None);
             }
@@ -674,6 +727,7 @@ struct PhysPage {
 #[derive(Debug)]
 pub(crate) struct Arena {
     page: usize,
+    page_no: PageNo,
     pages: Vec<PageSlot>,
     phys: Slab<PhysPage>,
     /// Physical pages active nowhere (they may still have ghost mappings).
@@ -719,6 +773,7 @@ impl Arena {
         holes.insert(0, va_size);
         Arena {
             page,
+            page_no: PageNo::new(page),
             pages: vec![PageSlot::default(); va_size / page],
             phys: Slab::new(),
             spare: Vec::new(),
@@ -1213,8 +1268,8 @@ impl Arena {
         guard
     }
 
-    fn page_span(&self, off: usize, len: usize) -> std::ops::RangeInclusive<usize> {
-        off / self.page..=(off + len - 1) / self.page
+    pub fn page_span(&self, off: usize, len: usize) -> std::ops::RangeInclusive<usize> {
+        self.page_no.of(off)..=self.page_no.of(off + len - 1)
     }
 
     /// A block over `[off, off+len)` is handed out: one more user on each
@@ -1500,7 +1555,7 @@ impl Arena {
             .map(|(k, _)| from_size_key(k))
         {
             let (lo, hi) = (roff.max(zone.start), (roff + rlen).min(zone.end));
-            if lo >= hi || lo.next_multiple_of(align) + len > hi {
+            if lo >= hi || align_up(lo, align) + len > hi {
                 continue;
             }
             // One range: no walk. A run is cut at the ends of the best-fit
@@ -1513,7 +1568,7 @@ impl Arena {
                 .expect("a run lies in free ranges");
             if fo + first.len >= roff + rlen {
                 if let Some(c) = class(first.guard) {
-                    let off = lo.next_multiple_of(align);
+                    let off = align_up(lo, align);
                     if c == 0 {
                         return Some((off, 0));
                     }
@@ -1552,7 +1607,7 @@ impl Arena {
                         m += 1;
                     }
                     let (so, se) = (comps[k].0.max(lo), comps[m].1.min(hi));
-                    let w = so.next_multiple_of(align);
+                    let w = align_up(so, align);
                     if w + len <= se {
                         // The window's class: the worst range it overlaps.
                         let worst = comps[k..=m]
@@ -1599,7 +1654,7 @@ impl Arena {
             .find_map(|(k, _)| {
                 let (rlen, roff) = from_size_key(k);
                 let (lo, hi) = (roff.max(zone.start), (roff + rlen).min(zone.end));
-                let off = lo.next_multiple_of(align);
+                let off = align_up(lo, align);
                 (lo < hi && off + len <= hi).then_some(off)
             })
     }
@@ -1990,7 +2045,7 @@ impl Arena {
         // The lowest usable window inside the span [o, o+l), if any.
         let mut in_span = |o: usize, l: usize| -> Option<usize> {
             let hi = (o + l).min(zone.end);
-            let mut s = o.max(zone.start).next_multiple_of(align);
+            let mut s = align_up(o.max(zone.start), align);
             'window: while s + len <= hi {
                 if !WALK {
                     return Some(s);
@@ -1998,7 +2053,7 @@ impl Arena {
                 let fs = self.free.last_le(&s).map_or(s, |(fo, _)| fo);
                 for (fo, r) in self.free.range(fs, s + len) {
                     if fo + r.len > s && !usable(r.guard) {
-                        s = (fo + r.len).next_multiple_of(align);
+                        s = align_up(fo + r.len, align);
                         continue 'window;
                     }
                 }
@@ -2006,15 +2061,16 @@ impl Arena {
             }
             None
         };
-        // The span holding the zone's start...
-        let mut from = zone.start;
-        if let Some((o, &l)) = self.gaps.spans.last_le(&zone.start) {
+        // The span holding the zone's start (the last one starting at or
+        // below it), found with the place the walk below starts from...
+        let from = zone.start + 1;
+        let at = self.gaps.spans.lower_bound(&from);
+        if let Some((o, &l)) = self.gaps.spans.before(at) {
             if o + l > zone.start {
                 if let Some(s) = in_span(o, l) {
                     return Some((s, None));
                 }
             }
-            from = zone.start + 1;
         }
         // ...then the spans starting after it, lowest first, long enough:
         // with few spans, one walk over them...
@@ -2025,7 +2081,7 @@ impl Arena {
             return self
                 .gaps
                 .spans
-                .scan_from_pos(&from, |o, &l| {
+                .scan_at(at, |o, &l| {
                     if o > last {
                         return Break(None);
                     }
@@ -2109,7 +2165,7 @@ impl Arena {
                 _ => lo,
             };
             span = Some((s0, hi));
-            let start = s0.next_multiple_of(align);
+            let start = align_up(s0, align);
             if start + len <= hi {
                 return Some(start);
             }
@@ -2521,6 +2577,48 @@ mod tests {
         }
         a.check();
         a
+    }
+
+    #[test]
+    fn align_up_agrees_with_next_multiple_of() {
+        for align in [1, 2, 512, 4096, 3 * 4096, 1 << 21, 5 * (1 << 21)] {
+            for x in [
+                0,
+                1,
+                align - 1,
+                align,
+                align + 1,
+                7 * align - 1,
+                7 * align,
+                1 << 40,
+            ] {
+                assert_eq!(
+                    align_up(x, align),
+                    x.next_multiple_of(align),
+                    "{x} to {align}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn page_numbers_agree_with_a_division() {
+        for page in [1, 512, 4096, 3 * 4096, 1 << 21, 5 * (1 << 21)] {
+            let no = PageNo::new(page);
+            assert_eq!(no.shift.is_some(), page.is_power_of_two(), "page {page}");
+            for off in [
+                0,
+                1,
+                page - 1,
+                page,
+                page + 1,
+                7 * page - 1,
+                7 * page,
+                usize::MAX,
+            ] {
+                assert_eq!(no.of(off), off / page, "page {page} offset {off}");
+            }
+        }
     }
 
     #[test]

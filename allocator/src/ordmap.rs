@@ -444,16 +444,26 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
     /// where `f` said `Break` (the one [`lower_bound`](Self::lower_bound)
     /// finds for any key above the entry's and up to the next key's), so
     /// that the entry found is then rewritten with no search.
-    #[inline]
+    #[cfg(test)]
     pub fn scan_from_pos<R>(
         &self,
         k: &K,
+        f: impl FnMut(K, &V) -> std::ops::ControlFlow<R>,
+    ) -> Option<(R, Pos)> {
+        self.scan_at(self.lower_bound(k), f)
+    }
+
+    /// The first entry from `pos` on (a place found by
+    /// [`lower_bound`](Self::lower_bound)) for which `f` says `Break`, what
+    /// it said and the place just past that entry: a loop over each
+    /// chunk's slice (no per-entry chunk bounds check), with no search.
+    #[inline]
+    pub fn scan_at<R>(
+        &self,
+        pos: Pos,
         mut f: impl FnMut(K, &V) -> std::ops::ControlFlow<R>,
     ) -> Option<(R, Pos)> {
-        let (c, mut i) = match self.chunk_le(k) {
-            None => (0, 0),
-            Some(c) => (c, self.chunks[c].partition_point(|e| e.0 < *k)),
-        };
+        let Pos { c, mut i } = pos;
         for (d, chunk) in self.chunks.get(c..).unwrap_or_default().iter().enumerate() {
             for (j, e) in chunk.get(i..).unwrap_or_default().iter().enumerate() {
                 if let std::ops::ControlFlow::Break(r) = f(e.0, &e.1) {

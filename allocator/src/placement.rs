@@ -789,8 +789,7 @@ pub(crate) fn fit(
     let zone = st.zone(len);
     if st.first_fit(len) {
         let (off, at) = st.first_window_at(len, me, clock, reuse)?;
-        let page = st.arena.page();
-        if !(off / page..=(off + len - 1) / page).all(|p| st.arena.is_active(p)) {
+        if !st.arena.page_span(off, len).all(|p| st.arena.is_active(p)) {
             return None;
         }
         st.arena.take_in_window(off, len, at);
