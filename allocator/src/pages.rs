@@ -868,4 +868,71 @@ mod tests {
         drop(st);
         dev.free_va(base, va).unwrap();
     }
+
+    /// The weight on ghosts must not make the pool grow more than the
+    /// window with the fewest binds: a window over a free of the
+    /// allocating stream that is still pending (usable in place by stream
+    /// order, but not movable) with two binds over ghosts needs two new
+    /// pages; the window the weight prefers, never mapped, needs four.
+    /// Once that free is complete its pages can move, both windows need
+    /// two new pages, and the weight chooses again.
+    #[test]
+    fn the_ghost_weight_does_not_choose_more_growth() {
+        let page = 2 << 20;
+        let dev = HostDevice::with_config(HostConfig {
+            capacity: 64 << 20,
+            granularity: page,
+        });
+        let va = 64 * page;
+        let base = dev.reserve_va(va, page).unwrap();
+        let config = PoolConfig::default();
+        let share = ShareState::new(crate::share_state::initial_access(&dev, &[]).unwrap());
+        let pages = Pages {
+            pool: 0,
+            device: &dev,
+            base,
+            config: &config,
+            share: &share,
+        };
+        let state = Mutex::new(ArenaState::new(Arena::new(va, page)));
+        let mut st = lock(&state);
+        let opts = PhysicalOptions { exportable: false };
+        let new_page = |st: &mut State<'_>| {
+            st.arena
+                .add_unit(dev.create_physical(page, opts).unwrap(), 1)
+        };
+        // The huge zone is pages 48-63. Pages 60 and 61 hold ghosts of two
+        // pages now in use at 16 and 17; 62 and 63 are mapped and hold a
+        // free of stream 0 (epoch 1) not known complete.
+        for (ghost, home) in [(60, 16), (61, 17)] {
+            let i = new_page(&mut st);
+            pages.bind(&mut st, ghost, i).unwrap();
+            st.arena.deactivate(ghost);
+            pages.bind(&mut st, home, i).unwrap();
+        }
+        st.arena.take(16 * page, 2 * page);
+        for p in [62, 63] {
+            let i = new_page(&mut st);
+            pages.bind(&mut st, p, i).unwrap();
+        }
+        st.arena.take(62 * page, 2 * page);
+        let pending = crate::arena::Guard::After {
+            stream: 0,
+            epoch: 1,
+        };
+        st.arena.give_back(62 * page, 2 * page, pending);
+        let zone = st.zone(usize::MAX);
+        let (clock, reuse) = (VectorClock::default(), ReusePolicy::default());
+        let window =
+            |st: &State<'_>, keep| best_window(st, 4 * page, page, &zone, 0, &clock, reuse, keep);
+        assert_eq!(window(&st, false), Some((2, 2, 60 * page)));
+        assert_eq!(window(&st, true), Some((2, 2, 60 * page)));
+        // Complete: 62 and 63 may move into a fresh window.
+        st.arena.settle(|_| Some(crate::arena::Guard::Complete));
+        assert_eq!(window(&st, false), Some((2, 2, 60 * page)));
+        assert_eq!(window(&st, true), Some((4, 4, 48 * page)));
+        pages.unmap_all(&mut st);
+        drop(st);
+        dev.free_va(base, va).unwrap();
+    }
 }

@@ -633,3 +633,43 @@ fn cuda_backend_without_a_driver_exits_2_before_reading_traces() {
     assert_clean_failure(&o, 2, "no usable CUDA driver");
     assert!(!stderr(&o).contains("cannot read trace"), "{}", stderr(&o));
 }
+
+/// `--lag` reaches tidepool's device: the pipeline trace's counters with
+/// `--lag 0` are those of a run without the option, and differ with a lag.
+#[test]
+fn lag_reaches_the_pool() {
+    let t = trace("pipeline.csv.gz");
+    let decided = |extra: &[&str]| {
+        let mut args = vec![
+            "--backend",
+            "host",
+            "--allocator",
+            "tidepool",
+            "--json",
+            "--max-ops",
+            "12000",
+        ];
+        args.extend_from_slice(extra);
+        args.push(t.to_str().unwrap());
+        let o = run(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let out = String::from_utf8(o.stdout).unwrap();
+        // What placement decided, without the timings.
+        [
+            "peak_reserved_bytes",
+            "growths",
+            "remaps",
+            "rebinds",
+            "cache_hits",
+        ]
+        .map(|k| {
+            let at = out
+                .find(&format!("\"{k}\":"))
+                .unwrap_or_else(|| panic!("{k}: {out}"));
+            out[at..].split([',', '}']).next().unwrap().to_string()
+        })
+    };
+    let plain = decided(&[]);
+    assert_eq!(plain, decided(&["--lag", "0"]));
+    assert_ne!(plain, decided(&["--lag", "64"]));
+}

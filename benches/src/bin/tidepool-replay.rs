@@ -126,6 +126,16 @@ struct Args {
     #[arg(long, value_name = "BYTES", value_parser = session::parse_bytes)]
     va_size: Option<usize>,
 
+    /// Completion lag of the host backend under tidepool, in trace
+    /// operations: an event or stream query answers "not done" until N
+    /// more operations have been issued after the event's record (the
+    /// stream's last operation); a host wait completes what it waits for
+    /// at once. Models kernels that keep frees pending for a while, which
+    /// a replay on the host (no kernels) never does. Counted in operations,
+    /// never time: runs are deterministic. 0 (the default): no lag.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    lag: u64,
+
     /// Replay only the first N operations of each trace (N >= 1).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     max_ops: Option<u64>,
@@ -268,6 +278,14 @@ fn run(args: Args) -> Result<(), (u8, String)> {
             ),
         ));
     }
+    if args.lag > 0 && backend != Backend::Host {
+        return Err((
+            EXIT_USAGE,
+            "--lag holds back the host backend's completions; with --backend cuda the \
+             GPU's own kernels set when work completes"
+                .into(),
+        ));
+    }
     if args.capacity.is_some() && backend != Backend::Host {
         return Err((
             EXIT_USAGE,
@@ -338,6 +356,7 @@ fn run(args: Args) -> Result<(), (u8, String)> {
         max_unit_size: args.max_unit,
         unit_min_block: args.unit_min,
         va_size: args.va_size,
+        lag: args.lag,
     };
     let bar = if std::io::stderr().is_terminal() {
         let total: usize =

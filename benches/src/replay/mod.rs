@@ -4,9 +4,12 @@
 //! - [`run`]: the [`ReplayAllocator`] abstraction and the timed replay loop;
 //! - [`report`]: JSON lines and tables;
 //! - [`plot`]: SVG timelines of live and reserved bytes;
-//! - [`timed`]: a device wrapper that counts and times driver calls.
+//! - [`timed`]: a device wrapper that counts and times driver calls;
+//! - [`lag`]: a device wrapper whose work completes a number of trace
+//!   operations after it was issued.
 
 pub mod allocators;
+pub mod lag;
 pub mod plot;
 pub mod report;
 pub mod run;

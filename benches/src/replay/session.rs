@@ -2,6 +2,7 @@
 //! them over a parsed trace and hands back one [`Record`] per pass.
 
 use super::allocators;
+use super::lag::{LagClock, Lagged};
 use super::plot::{Panel, Series};
 use super::report::{self, Record};
 use super::run::{PassOptions, PassResult, ReplayAllocator, ReplayError, Replayer};
@@ -132,6 +133,9 @@ pub struct SessionOptions {
     /// tidepool's virtual reservation in bytes
     /// ([`tidepool::PoolConfig::va_size`]; `None`: the default).
     pub va_size: Option<usize>,
+    /// Completion lag, in trace operations, of the host backend's work
+    /// under tidepool ([`super::lag::Lagged`]; 0: none).
+    pub lag: u64,
 }
 
 impl Default for SessionOptions {
@@ -145,6 +149,7 @@ impl Default for SessionOptions {
             max_unit_size: None,
             unit_min_block: None,
             va_size: None,
+            lag: 0,
         }
     }
 }
@@ -200,7 +205,18 @@ pub fn replay(
                 None => HostConfig::default(),
             };
             let dev = Arc::new(HostDevice::with_config(config));
-            run!(TidepoolAlloc::with_config(dev, streams, pool_config)?)
+            if opts.lag > 0 {
+                let clock = Arc::new(LagClock::new());
+                let dev = Arc::new(Lagged::new(dev, clock.clone(), opts.lag));
+                run!(TidepoolAlloc::with_lag_clock(
+                    dev,
+                    streams,
+                    pool_config,
+                    clock
+                )?)
+            } else {
+                run!(TidepoolAlloc::with_config(dev, streams, pool_config)?)
+            }
         }
         (AllocatorKind::Tidepool, Backend::Cuda) => {
             let dev = Arc::new(allocators::cuda_device()?);

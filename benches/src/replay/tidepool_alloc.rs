@@ -1,6 +1,7 @@
 //! tidepool's `MemPool` as a [`ReplayAllocator`], on any device backend.
 
 use super::allocators::Streams;
+use super::lag::LagClock;
 use super::run::{AllocError, ReplayAllocator, ReplayError};
 use super::timed::{DriverStat, Timed};
 use std::sync::Arc;
@@ -10,12 +11,15 @@ use tidepool_sys::Device;
 /// A tidepool pool with the default configuration, one device stream per
 /// trace stream; tidepool's reserved-high statistic as peak reserved. The
 /// pool's device is wrapped in [`Timed`], so each pass reports the driver
-/// calls the pool made and the time spent in them.
+/// calls the pool made and the time spent in them. With a [`LagClock`]
+/// (for a device wrapped in [`super::lag::Lagged`]), each trace operation
+/// ticks the clock before it reaches the pool.
 pub struct TidepoolAlloc<D: Device> {
     // Field order: the pool is dropped before the streams.
     pool: MemPool<Timed<D>>,
     streams: Streams<Timed<D>>,
     device: Arc<Timed<D>>,
+    clock: Option<Arc<LagClock>>,
 }
 
 impl<D: Device> TidepoolAlloc<D> {
@@ -36,7 +40,28 @@ impl<D: Device> TidepoolAlloc<D> {
             pool,
             streams,
             device,
+            clock: None,
         })
+    }
+
+    /// [`Self::with_config`], ticking `clock` once per trace operation
+    /// (the clock of the [`super::lag::Lagged`] device `device` is).
+    pub fn with_lag_clock(
+        device: Arc<D>,
+        trace_streams: usize,
+        config: PoolConfig,
+        clock: Arc<LagClock>,
+    ) -> Result<Self, ReplayError> {
+        let mut a = Self::with_config(device, trace_streams, config)?;
+        a.clock = Some(clock);
+        Ok(a)
+    }
+
+    #[inline]
+    fn tick(&self, stream: usize) {
+        if let Some(c) = &self.clock {
+            c.tick(self.streams.streams[stream]);
+        }
     }
 
     /// The pool, for statistics beyond the replay's.
@@ -69,6 +94,7 @@ impl<D: Device> ReplayAllocator for TidepoolAlloc<D> {
 
     #[inline]
     fn alloc(&mut self, size: usize, stream: usize) -> Result<Allocation, AllocError> {
+        self.tick(stream);
         self.pool
             .alloc_async(size, self.streams.streams[stream])
             .map_err(|e| {
@@ -85,6 +111,7 @@ impl<D: Device> ReplayAllocator for TidepoolAlloc<D> {
 
     #[inline]
     fn free(&mut self, a: Allocation, stream: usize) -> Result<(), ReplayError> {
+        self.tick(stream);
         self.pool
             .free_async(a, self.streams.streams[stream])
             .map_err(|e| ReplayError(format!("tidepool: free_async: {}", e.error)))
@@ -95,6 +122,7 @@ impl<D: Device> ReplayAllocator for TidepoolAlloc<D> {
     /// freed before the event becomes reusable on `stream`.
     #[inline]
     fn wait(&mut self, from: usize, stream: usize) -> Result<(), ReplayError> {
+        self.tick(stream);
         let event = self
             .pool
             .record_event(self.streams.streams[from])
