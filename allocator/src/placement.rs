@@ -8,6 +8,7 @@
 use crate::arena::{Arena, FreeRange, Guard, Window};
 use crate::config::ReusePolicy;
 use crate::ordering::{Completion, VectorClock};
+use crate::pages::MapScratch;
 use crate::sync::MutexGuard;
 
 /// The arena and what the pool has learnt about completion, under one lock.
@@ -18,6 +19,8 @@ pub(crate) struct ArenaState {
     pub done: Completion,
     /// Scratch space of `pick_victims` (no allocation per call).
     victim_runs: Vec<(bool, u64, usize)>,
+    /// Scratch space of page mapping (see [`MapScratch`]).
+    pub map_scratch: MapScratch,
     /// The zones' bounds in bytes: zone `z` is `bounds[z]..bounds[z + 1]`
     /// (see [`zone_bounds`]). The address space and the page size never
     /// change, so they are worked out once rather than per request.
@@ -47,6 +50,7 @@ impl ArenaState {
             arena,
             done: Completion::default(),
             victim_runs: Vec::new(),
+            map_scratch: MapScratch::default(),
             bounds,
         }
     }
@@ -214,16 +218,29 @@ pub(crate) type State<'a> = MutexGuard<'a, ArenaState>;
 
 impl ArenaState {
     /// [`pick_victims`] with the state's own scratch space.
+    pub fn victims_into(
+        &mut self,
+        exclude: &std::ops::RangeInclusive<usize>,
+        zone: usize,
+        want: usize,
+        out: &mut Vec<usize>,
+    ) {
+        let mut runs = std::mem::take(&mut self.victim_runs);
+        pick_victims(self, exclude, zone, want, &mut runs, out);
+        self.victim_runs = runs;
+    }
+
+    /// [`ArenaState::victims_into`] into a vector of their own.
+    #[cfg(test)]
     pub fn victims(
         &mut self,
         exclude: &std::ops::RangeInclusive<usize>,
         zone: usize,
         want: usize,
     ) -> Vec<usize> {
-        let mut runs = std::mem::take(&mut self.victim_runs);
-        let v = pick_victims(self, exclude, zone, want, &mut runs);
-        self.victim_runs = runs;
-        v
+        let mut out = Vec::new();
+        self.victims_into(exclude, zone, want, &mut out);
+        out
     }
 }
 
@@ -707,15 +724,18 @@ pub(crate) fn phys_movable(
 /// while the block being placed lives. Completion is checked only for the
 /// pages about to be taken. Only single pages are picked: a unit of
 /// several pages moves whole, into a run of pages long enough for it
-/// ([`free_units`]). `scratch` is reused between calls.
+/// ([`free_units`]). `scratch` is reused between calls; the pages picked
+/// replace what `out` held.
 pub(crate) fn pick_victims(
     st: &ArenaState,
     exclude: &std::ops::RangeInclusive<usize>,
     zone: usize,
     want: usize,
     scratch: &mut Vec<(bool, u64, usize)>,
-) -> Vec<usize> {
+    out: &mut Vec<usize>,
+) {
     scratch.clear();
+    out.clear();
     // The zone's pages (its bounds fall on pages).
     let page = st.arena.page();
     let zone_pages = st.bounds[zone] / page..st.bounds[zone + 1] / page;
@@ -735,7 +755,6 @@ pub(crate) fn pick_victims(
     // is looked at, usually `want` pages or a few more (those not known
     // complete are skipped): sort it by chunks, each the smallest of
     // what is left, rather than every idle page.
-    let mut out = Vec::with_capacity(want);
     let mut done = 0;
     while out.len() < want && done < scratch.len() {
         let rest = &mut scratch[done..];
@@ -754,14 +773,23 @@ pub(crate) fn pick_victims(
         }
         done += chunk;
     }
-    out
 }
 
 /// Units of several pages that may move or be released now, whole:
 /// active somewhere outside `exclude` with every page idle and complete,
-/// or active nowhere (spare). Largest first, then by index.
-pub(crate) fn free_units(st: &ArenaState, exclude: &std::ops::RangeInclusive<usize>) -> Vec<usize> {
-    let mut out: Vec<usize> = st.arena.spare_units().collect();
+/// or active nowhere (spare). Largest first, then by index; they replace
+/// what `out` held. A pool without units (the default: single pages only)
+/// has none, and no idle page is looked at.
+pub(crate) fn free_units(
+    st: &ArenaState,
+    exclude: &std::ops::RangeInclusive<usize>,
+    out: &mut Vec<usize>,
+) {
+    out.clear();
+    if st.arena.units_of_pages() == 0 {
+        return;
+    }
+    out.extend(st.arena.spare_units());
     for p in st.arena.idle_pages().filter(|p| !exclude.contains(p)) {
         let phys = st.arena.mapping_at(p).expect("idle page is mapped");
         let k = st.arena.unit_pages(phys);
@@ -774,7 +802,6 @@ pub(crate) fn free_units(st: &ArenaState, exclude: &std::ops::RangeInclusive<usi
         }
     }
     out.sort_unstable_by_key(|&i| (std::cmp::Reverse(st.arena.unit_pages(i)), i));
-    out
 }
 
 /// Steps 1–3: best fit among free ranges usable now; for first-fit
