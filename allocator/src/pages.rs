@@ -19,7 +19,7 @@ use crate::config::{PoolConfig, ReusePolicy};
 use crate::ordering::VectorClock;
 use crate::placement::{
     best_window, free_units, ghost_available, hole_window, phys_movable, ranked_windows,
-    ArenaState, State,
+    ArenaState, MapScratch, Plan, RebindScratch, State,
 };
 use crate::share_state::ShareState;
 use tidepool_sys::{Device, DevicePtr, PhysicalOptions, SysError};
@@ -761,73 +761,6 @@ fn rebind_unit(st: &mut State<'_>, p: usize, phys: usize) {
     let base = st.arena.mapping_base(p).expect("a ghost has a first page");
     st.arena.activate(base, phys);
     st.arena.count_rebind();
-}
-
-/// Vectors page mapping fills on every call, kept in the pool's state
-/// between calls so that a request placed on the slow path allocates
-/// nothing for its own bookkeeping once they have grown (each is cleared
-/// before use; what they hold between calls means nothing).
-#[derive(Debug, Default)]
-pub(crate) struct MapScratch {
-    /// The block's hole pages.
-    targets: Vec<usize>,
-    /// The hole pages left after ghosts came back.
-    rest: Vec<usize>,
-    /// Pages to bind: (page, unit).
-    got: Vec<(usize, usize)>,
-    /// Units created by the call.
-    created: Vec<usize>,
-    /// Single pages gathered for the block.
-    pool: Vec<usize>,
-    /// Where each moved page was active (tracing only).
-    moved_from: Vec<(usize, usize)>,
-    /// See [`rebind_singles`].
-    rebind: RebindScratch,
-    plan: Plan,
-}
-
-/// Scratch space of [`rebind_singles`].
-#[derive(Debug, Default)]
-struct RebindScratch {
-    moves: Vec<(usize, usize)>,
-    owners: Vec<usize>,
-    phys: Vec<usize>,
-}
-
-/// Where the physical memory for a block's hole pages comes from (see
-/// [`Pages::plan`]).
-#[derive(Debug, Default)]
-struct Plan {
-    /// Free units moved whole: (first target page, unit).
-    moves: Vec<(usize, usize)>,
-    /// Spare single pages used.
-    spare_used: usize,
-    /// Completed idle single pages moved here.
-    victims: Vec<usize>,
-    /// The target pages of the spare and moved single pages, in order.
-    singles: Vec<usize>,
-    /// Free units released to make room for growth.
-    release: Vec<usize>,
-    /// Runs of target pages that growth fills: (first, count).
-    missing: Vec<(usize, usize)>,
-    /// Scratch: the free units found.
-    free: Vec<usize>,
-    /// Scratch: the free units that did not move, largest first.
-    left: Vec<usize>,
-}
-
-impl Plan {
-    /// Empty, keeping the vectors' room.
-    fn clear(&mut self) {
-        self.moves.clear();
-        self.spare_used = 0;
-        self.victims.clear();
-        self.singles.clear();
-        self.release.clear();
-        self.missing.clear();
-        self.free.clear();
-        self.left.clear();
-    }
 }
 
 #[cfg(test)]

@@ -8,7 +8,6 @@
 use crate::arena::{Arena, FreeRange, Guard, Window};
 use crate::config::ReusePolicy;
 use crate::ordering::{Completion, VectorClock};
-use crate::pages::MapScratch;
 use crate::sync::MutexGuard;
 
 /// The arena and what the pool has learnt about completion, under one lock.
@@ -873,6 +872,73 @@ pub(crate) fn window_donors(
         }
     }
     donors
+}
+
+/// Vectors page mapping fills on every call, kept in the pool's state
+/// between calls so that a request placed on the slow path allocates
+/// nothing for its own bookkeeping once they have grown (each is cleared
+/// before use; what they hold between calls means nothing).
+#[derive(Debug, Default)]
+pub(crate) struct MapScratch {
+    /// The block's hole pages.
+    pub targets: Vec<usize>,
+    /// The hole pages left after ghosts came back.
+    pub rest: Vec<usize>,
+    /// Pages to bind: (page, unit).
+    pub got: Vec<(usize, usize)>,
+    /// Units created by the call.
+    pub created: Vec<usize>,
+    /// Single pages gathered for the block.
+    pub pool: Vec<usize>,
+    /// Where each moved page was active (tracing only).
+    pub moved_from: Vec<(usize, usize)>,
+    /// See `rebind_singles` (page mapping).
+    pub rebind: RebindScratch,
+    pub plan: Plan,
+}
+
+/// Scratch space of `rebind_singles` (page mapping).
+#[derive(Debug, Default)]
+pub(crate) struct RebindScratch {
+    pub moves: Vec<(usize, usize)>,
+    pub owners: Vec<usize>,
+    pub phys: Vec<usize>,
+}
+
+/// Where the physical memory for a block's hole pages comes from (see
+/// `Pages::plan`).
+#[derive(Debug, Default)]
+pub(crate) struct Plan {
+    /// Free units moved whole: (first target page, unit).
+    pub moves: Vec<(usize, usize)>,
+    /// Spare single pages used.
+    pub spare_used: usize,
+    /// Completed idle single pages moved here.
+    pub victims: Vec<usize>,
+    /// The target pages of the spare and moved single pages, in order.
+    pub singles: Vec<usize>,
+    /// Free units released to make room for growth.
+    pub release: Vec<usize>,
+    /// Runs of target pages that growth fills: (first, count).
+    pub missing: Vec<(usize, usize)>,
+    /// Scratch: the free units found.
+    pub free: Vec<usize>,
+    /// Scratch: the free units that did not move, largest first.
+    pub left: Vec<usize>,
+}
+
+impl Plan {
+    /// Empty, keeping the vectors' room.
+    pub fn clear(&mut self) {
+        self.moves.clear();
+        self.spare_used = 0;
+        self.victims.clear();
+        self.singles.clear();
+        self.release.clear();
+        self.missing.clear();
+        self.free.clear();
+        self.left.clear();
+    }
 }
 
 #[cfg(test)]
