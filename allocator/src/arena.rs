@@ -730,6 +730,8 @@ pub(crate) struct Arena {
     page_no: PageNo,
     pages: Vec<PageSlot>,
     phys: Slab<PhysPage>,
+    /// How many physical units span more than one page.
+    multi_units: usize,
     /// Physical pages active nowhere (they may still have ghost mappings).
     spare: Vec<usize>,
     free: OrdMap<usize, FreeRange>,
@@ -776,6 +778,7 @@ impl Arena {
             page_no: PageNo::new(page),
             pages: vec![PageSlot::default(); va_size / page],
             phys: Slab::new(),
+            multi_units: 0,
             spare: Vec::new(),
             free: OrdMap::new(),
             runs: OrdMap::new(),
@@ -823,6 +826,7 @@ impl Arena {
         self.reserved += (pages * self.page) as u64;
         self.reserved_high = self.reserved_high.max(self.reserved);
         self.growths += 1;
+        self.multi_units += usize::from(pages > 1);
         i
     }
 
@@ -833,6 +837,12 @@ impl Arena {
         let unit = self.phys.remove(i);
         self.reserved -= (unit.pages * self.page) as u64;
         self.releases += 1;
+        self.multi_units -= usize::from(unit.pages > 1);
+    }
+
+    /// How many physical units of more than one page the pool holds.
+    pub fn units_of_pages(&self) -> usize {
+        self.multi_units
     }
 
     /// Pages spanned by physical unit `i` (1 for a single page).
@@ -893,6 +903,7 @@ impl Arena {
     /// unmapped and released them all).
     pub fn clear_phys(&mut self) {
         self.phys.clear();
+        self.multi_units = 0;
         self.spare.clear();
     }
 

@@ -1132,28 +1132,38 @@ impl<D: Device> StreamOrder<D> {
     /// the pass is either visited or listed again by its own
     /// [`note_busy`](Self::note_busy), since both decide under its lock.
     pub fn for_busy(&self, mut f: impl FnMut(u64, &mut StreamState)) {
-        let ids = std::mem::take(&mut *lock(&self.busy));
-        if ids.is_empty() {
-            return;
-        }
+        let mut ids = {
+            let mut busy = lock(&self.busy);
+            if busy.is_empty() {
+                return;
+            }
+            std::mem::take(&mut *busy)
+        };
         let entries: Vec<(u64, Arc<StreamEntry>)> = {
             let table = self.streams.read().unwrap_or_else(|p| p.into_inner());
             ids.iter()
                 .filter_map(|id| table.get(id).map(|e| (*id, e.clone())))
                 .collect()
         };
-        let mut kept = Vec::with_capacity(entries.len());
+        // The streams still busy go back to the list in the vector the
+        // list was taken in, which keeps its room for the next pass.
+        ids.clear();
         for (id, entry) in entries {
             let mut st = lock(&entry.state);
             f(id, &mut st);
             if st.busy() {
-                kept.push(id);
+                ids.push(id);
             } else {
                 st.listed = false;
             }
         }
-        if !kept.is_empty() {
-            lock(&self.busy).extend(kept);
+        let mut busy = lock(&self.busy);
+        if busy.is_empty() {
+            // Nothing was listed during the pass: the kept streams, in
+            // the vector with room, become the list.
+            std::mem::swap(&mut *busy, &mut ids);
+        } else {
+            busy.append(&mut ids);
         }
     }
 

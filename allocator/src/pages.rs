@@ -19,7 +19,7 @@ use crate::config::{PoolConfig, ReusePolicy};
 use crate::ordering::VectorClock;
 use crate::placement::{
     best_window, free_units, ghost_available, hole_window, phys_movable, ranked_windows,
-    ArenaState, State,
+    ArenaState, MapScratch, Plan, RebindScratch, State,
 };
 use crate::share_state::ShareState;
 use tidepool_sys::{Device, DevicePtr, PhysicalOptions, SysError};
@@ -176,26 +176,43 @@ impl<D: Device> Pages<'_, D> {
         need: Option<usize>,
         loosen: bool,
     ) -> Result<usize, MapFailure> {
+        let mut sc = std::mem::take(&mut st.map_scratch);
+        let r = self.map_at_with(st, len, start, need, loosen, &mut sc);
+        st.map_scratch = sc;
+        r
+    }
+
+    /// [`Pages::map_at`] with its scratch space `sc` (taken out of the
+    /// state for the call).
+    fn map_at_with(
+        &self,
+        st: &mut State<'_>,
+        len: usize,
+        start: usize,
+        need: Option<usize>,
+        loosen: bool,
+        sc: &mut MapScratch,
+    ) -> Result<usize, MapFailure> {
         let page = st.arena.page();
         let end = start + len;
         let block_pages = start / page..=(end - 1) / page;
-        let targets: Vec<usize> = block_pages
-            .clone()
-            .filter(|&p| !st.arena.is_active(p))
-            .collect();
+        let targets = &mut sc.targets;
+        targets.clear();
+        targets.extend(block_pages.clone().filter(|&p| !st.arena.is_active(p)));
         debug_assert!(need.is_none_or(|n| n == targets.len()));
 
         // First, targets whose ghost mapping's physical memory is free to
         // come back: no driver call at all. A unit comes back whole, onto
         // every page of its ghost mapping.
-        let mut rest = Vec::new();
+        let rest = &mut sc.rest;
+        rest.clear();
         let singles = targets.iter().all(|&p| {
             st.arena
                 .mapping_at(p)
                 .is_none_or(|i| st.arena.unit_pages(i) == 1)
         });
         if singles {
-            rebind_singles(st, &targets, &block_pages, &mut rest);
+            rebind_singles(st, targets, &block_pages, rest, &mut sc.rebind);
         }
         // A unit may have ghosts both inside the window and across its
         // edge: it comes back to one of them only, so ghosts wholly inside
@@ -224,7 +241,7 @@ impl<D: Device> Pages<'_, D> {
             }
         }
         if loosen {
-            take_off_edge_units(st, &block_pages, &mut rest);
+            take_off_edge_units(st, &block_pages, rest);
         }
         rest.retain(|&p| !st.arena.is_active(p));
         let unit_max = if len >= self.config.unit_min_block {
@@ -232,12 +249,15 @@ impl<D: Device> Pages<'_, D> {
         } else {
             1
         };
-        let plan = self.plan(st, &rest, &block_pages, unit_max)?;
-        let mut got: Vec<(usize, usize)> = Vec::with_capacity(plan.moves.len() + rest.len());
+        let plan = &mut sc.plan;
+        self.plan(st, rest, &block_pages, unit_max, plan)?;
+        let got = &mut sc.got;
+        got.clear();
         // Pages created by this call: given back to the device if the
         // device runs out before the request is covered (a failed request
         // must not grow the pool).
-        let mut created: Vec<usize> = Vec::new();
+        let created = &mut sc.created;
+        created.clear();
         for &(p, i) in &plan.moves {
             // A whole unit moves (stitching): it is free where it is.
             if st.arena.owner(i).is_some() {
@@ -250,13 +270,15 @@ impl<D: Device> Pages<'_, D> {
         }
         // Single pages: spare ones, then moved ones; the lowest target
         // page gets the last of them.
-        let mut pool: Vec<usize> = Vec::with_capacity(plan.singles.len());
+        let pool = &mut sc.pool;
+        pool.clear();
         for _ in 0..plan.spare_used {
             pool.push(st.arena.pop_spare_single().expect("counted"));
         }
         // Where each moved page was active, for the trace of binds below.
         let tracing_binds = tracing::enabled!(tracing::Level::TRACE);
-        let mut moved_from: Vec<(usize, usize)> = Vec::new();
+        let moved_from = &mut sc.moved_from;
+        moved_from.clear();
         for &v in &plan.victims {
             let i = st.arena.deactivate(v);
             if tracing_binds {
@@ -278,7 +300,7 @@ impl<D: Device> Pages<'_, D> {
             }
             if let Err(e) = self.release_phys(st, i) {
                 st.arena.push_spare(i);
-                for (_, i) in got {
+                for &(_, i) in got.iter() {
                     st.arena.push_spare(i);
                 }
                 return Err(MapFailure::Device(e));
@@ -315,7 +337,7 @@ impl<D: Device> Pages<'_, D> {
                     }
                 }
                 if let Some(f) = fail {
-                    for (_, i) in got {
+                    for &(_, i) in got.iter() {
                         if !created.contains(&i) {
                             st.arena.push_spare(i);
                         } else if let Err(e2) = self.release_phys(st, i) {
@@ -340,14 +362,13 @@ impl<D: Device> Pages<'_, D> {
         }
         // Bound in address order.
         got.sort_unstable();
-        let mut binds = got.into_iter();
-        while let Some((p, i)) = binds.next() {
+        for (n, &(p, i)) in got.iter().enumerate() {
             if tracing_binds {
-                self.trace_bind(st, p, i, len, &moved_from, &created);
+                self.trace_bind(st, p, i, len, moved_from, created);
             }
             if let Err(e) = self.bind(st, p, i) {
                 st.arena.push_spare(i);
-                for (_, i) in binds {
+                for &(_, i) in &got[n + 1..] {
                     st.arena.push_spare(i);
                 }
                 return Err(MapFailure::Device(e));
@@ -418,22 +439,25 @@ impl<D: Device> Pages<'_, D> {
         rest: &[usize],
         block_pages: &std::ops::RangeInclusive<usize>,
         unit_max: usize,
-    ) -> Result<Plan, MapFailure> {
+        plan: &mut Plan,
+    ) -> Result<(), MapFailure> {
         let page = st.arena.page();
-        // Maximal runs of consecutive pages: (first, count).
-        let mut runs: Vec<(usize, usize)> = Vec::new();
+        plan.clear();
+        // Maximal runs of consecutive pages: (first, count); what is left
+        // of them at the end is what growth fills.
+        let runs = &mut plan.missing;
         for &p in rest {
             match runs.last_mut() {
                 Some((f, c)) if *f + *c == p => *c += 1,
                 _ => runs.push((p, 1)),
             }
         }
-        let mut plan = Plan::default();
-        let mut units: Option<Vec<usize>> = None;
+        // Free units that did not move, once looked for.
+        let mut units_known = false;
+        let left = &mut plan.left;
         if runs.iter().any(|r| r.1 >= 2) {
-            let free = free_units(st, block_pages);
-            let mut left = Vec::new();
-            for i in free {
+            free_units(st, block_pages, &mut plan.free);
+            for &i in &plan.free {
                 let k = st.arena.unit_pages(i);
                 // The tightest run that holds the unit.
                 match runs
@@ -449,7 +473,7 @@ impl<D: Device> Pages<'_, D> {
                     None => left.push(i),
                 }
             }
-            units = Some(left);
+            units_known = true;
             runs.retain(|r| r.1 > 0);
         }
         // Single pages fill the shortest runs; growth gets the longest,
@@ -458,13 +482,18 @@ impl<D: Device> Pages<'_, D> {
         plan.spare_used = st.arena.spare_singles().min(remaining);
         if plan.spare_used < remaining {
             let zone = st.zone_of(*block_pages.start());
-            plan.victims = st.victims(block_pages, zone, remaining - plan.spare_used);
+            st.victims_into(
+                block_pages,
+                zone,
+                remaining - plan.spare_used,
+                &mut plan.victims,
+            );
         }
         let mut singles = plan.spare_used + plan.victims.len();
         if unit_max == 1 {
             // No units to create: single pages fill the highest pages.
             runs.sort_unstable_by_key(|r| std::cmp::Reverse(r.0));
-            for r in &mut runs {
+            for r in runs.iter_mut() {
                 let n = singles.min(r.1);
                 plan.singles.extend(r.0 + r.1 - n..r.0 + r.1);
                 r.1 -= n;
@@ -472,7 +501,7 @@ impl<D: Device> Pages<'_, D> {
             }
         }
         runs.sort_unstable_by_key(|r| (r.1, r.0));
-        for r in &mut runs {
+        for r in runs.iter_mut() {
             let n = singles.min(r.1);
             plan.singles.extend(r.0..r.0 + n);
             r.0 += n;
@@ -483,16 +512,13 @@ impl<D: Device> Pages<'_, D> {
         runs.sort_unstable();
         plan.singles.sort_unstable();
         let missing: usize = runs.iter().map(|r| r.1).sum();
-        plan.missing = runs;
         let mut released = 0usize;
         if missing > 0 {
-            let mut left = match units {
-                Some(u) => u,
-                None => free_units(st, block_pages),
-            };
+            if !units_known {
+                free_units(st, block_pages, left);
+            }
             // Smallest first: release no more than growth needs, roughly.
-            left.reverse();
-            for i in left {
+            for &i in left.iter().rev() {
                 if released >= missing {
                     break;
                 }
@@ -508,7 +534,7 @@ impl<D: Device> Pages<'_, D> {
                 return Err(MapFailure::Capped);
             }
         }
-        Ok(plan)
+        Ok(())
     }
 
     /// Map physical unit `i` at pages `p..p + k` (holes) and make it
@@ -632,9 +658,15 @@ fn rebind_singles(
     targets: &[usize],
     block: &std::ops::RangeInclusive<usize>,
     rest: &mut Vec<usize>,
+    sc: &mut RebindScratch,
 ) {
-    let mut moves: Vec<(usize, usize)> = Vec::new();
-    let mut owners: Vec<usize> = Vec::new();
+    let RebindScratch {
+        moves,
+        owners,
+        phys,
+    } = sc;
+    moves.clear();
+    owners.clear();
     for &p in targets {
         match st.arena.mapping_at(p) {
             Some(phys)
@@ -659,11 +691,10 @@ fn rebind_singles(
     for run in owners.chunk_by(|a, b| a + 1 == *b) {
         st.arena.deactivate_singles(run[0], run.len());
     }
-    let mut phys: Vec<usize> = Vec::new();
     for run in moves.chunk_by(|a, b| a.0 + 1 == b.0) {
         phys.clear();
         phys.extend(run.iter().map(|m| m.1));
-        st.arena.activate_singles(run[0].0, &phys);
+        st.arena.activate_singles(run[0].0, phys);
         for _ in run {
             st.arena.count_rebind();
         }
@@ -730,24 +761,6 @@ fn rebind_unit(st: &mut State<'_>, p: usize, phys: usize) {
     let base = st.arena.mapping_base(p).expect("a ghost has a first page");
     st.arena.activate(base, phys);
     st.arena.count_rebind();
-}
-
-/// Where the physical memory for a block's hole pages comes from (see
-/// [`Pages::plan`]).
-#[derive(Default)]
-struct Plan {
-    /// Free units moved whole: (first target page, unit).
-    moves: Vec<(usize, usize)>,
-    /// Spare single pages used.
-    spare_used: usize,
-    /// Completed idle single pages moved here.
-    victims: Vec<usize>,
-    /// The target pages of the spare and moved single pages, in order.
-    singles: Vec<usize>,
-    /// Free units released to make room for growth.
-    release: Vec<usize>,
-    /// Runs of target pages that growth fills: (first, count).
-    missing: Vec<(usize, usize)>,
 }
 
 #[cfg(test)]

@@ -18,6 +18,8 @@ pub(crate) struct ArenaState {
     pub done: Completion,
     /// Scratch space of `pick_victims` (no allocation per call).
     victim_runs: Vec<(bool, u64, usize)>,
+    /// Scratch space of page mapping (see [`MapScratch`]).
+    pub map_scratch: MapScratch,
     /// The zones' bounds in bytes: zone `z` is `bounds[z]..bounds[z + 1]`
     /// (see [`zone_bounds`]). The address space and the page size never
     /// change, so they are worked out once rather than per request.
@@ -47,6 +49,7 @@ impl ArenaState {
             arena,
             done: Completion::default(),
             victim_runs: Vec::new(),
+            map_scratch: MapScratch::default(),
             bounds,
         }
     }
@@ -214,16 +217,29 @@ pub(crate) type State<'a> = MutexGuard<'a, ArenaState>;
 
 impl ArenaState {
     /// [`pick_victims`] with the state's own scratch space.
+    pub fn victims_into(
+        &mut self,
+        exclude: &std::ops::RangeInclusive<usize>,
+        zone: usize,
+        want: usize,
+        out: &mut Vec<usize>,
+    ) {
+        let mut runs = std::mem::take(&mut self.victim_runs);
+        pick_victims(self, exclude, zone, want, &mut runs, out);
+        self.victim_runs = runs;
+    }
+
+    /// [`ArenaState::victims_into`] into a vector of their own.
+    #[cfg(test)]
     pub fn victims(
         &mut self,
         exclude: &std::ops::RangeInclusive<usize>,
         zone: usize,
         want: usize,
     ) -> Vec<usize> {
-        let mut runs = std::mem::take(&mut self.victim_runs);
-        let v = pick_victims(self, exclude, zone, want, &mut runs);
-        self.victim_runs = runs;
-        v
+        let mut out = Vec::new();
+        self.victims_into(exclude, zone, want, &mut out);
+        out
     }
 }
 
@@ -775,15 +791,18 @@ pub(crate) fn phys_movable(
 /// while the block being placed lives. Completion is checked only for the
 /// pages about to be taken. Only single pages are picked: a unit of
 /// several pages moves whole, into a run of pages long enough for it
-/// ([`free_units`]). `scratch` is reused between calls.
+/// ([`free_units`]). `scratch` is reused between calls; the pages picked
+/// replace what `out` held.
 pub(crate) fn pick_victims(
     st: &ArenaState,
     exclude: &std::ops::RangeInclusive<usize>,
     zone: usize,
     want: usize,
     scratch: &mut Vec<(bool, u64, usize)>,
-) -> Vec<usize> {
+    out: &mut Vec<usize>,
+) {
     scratch.clear();
+    out.clear();
     // The zone's pages (its bounds fall on pages).
     let page = st.arena.page();
     let zone_pages = st.bounds[zone] / page..st.bounds[zone + 1] / page;
@@ -803,7 +822,6 @@ pub(crate) fn pick_victims(
     // is looked at, usually `want` pages or a few more (those not known
     // complete are skipped): sort it by chunks, each the smallest of
     // what is left, rather than every idle page.
-    let mut out = Vec::with_capacity(want);
     let mut done = 0;
     while out.len() < want && done < scratch.len() {
         let rest = &mut scratch[done..];
@@ -822,14 +840,23 @@ pub(crate) fn pick_victims(
         }
         done += chunk;
     }
-    out
 }
 
 /// Units of several pages that may move or be released now, whole:
 /// active somewhere outside `exclude` with every page idle and complete,
-/// or active nowhere (spare). Largest first, then by index.
-pub(crate) fn free_units(st: &ArenaState, exclude: &std::ops::RangeInclusive<usize>) -> Vec<usize> {
-    let mut out: Vec<usize> = st.arena.spare_units().collect();
+/// or active nowhere (spare). Largest first, then by index; they replace
+/// what `out` held. A pool without units (the default: single pages only)
+/// has none, and no idle page is looked at.
+pub(crate) fn free_units(
+    st: &ArenaState,
+    exclude: &std::ops::RangeInclusive<usize>,
+    out: &mut Vec<usize>,
+) {
+    out.clear();
+    if st.arena.units_of_pages() == 0 {
+        return;
+    }
+    out.extend(st.arena.spare_units());
     for p in st.arena.idle_pages().filter(|p| !exclude.contains(p)) {
         let phys = st.arena.mapping_at(p).expect("idle page is mapped");
         let k = st.arena.unit_pages(phys);
@@ -842,7 +869,6 @@ pub(crate) fn free_units(st: &ArenaState, exclude: &std::ops::RangeInclusive<usi
         }
     }
     out.sort_unstable_by_key(|&i| (std::cmp::Reverse(st.arena.unit_pages(i)), i));
-    out
 }
 
 /// Steps 1–3: best fit among free ranges usable now; for first-fit
@@ -914,6 +940,73 @@ pub(crate) fn window_donors(
         }
     }
     donors
+}
+
+/// Vectors page mapping fills on every call, kept in the pool's state
+/// between calls so that a request placed on the slow path allocates
+/// nothing for its own bookkeeping once they have grown (each is cleared
+/// before use; what they hold between calls means nothing).
+#[derive(Debug, Default)]
+pub(crate) struct MapScratch {
+    /// The block's hole pages.
+    pub targets: Vec<usize>,
+    /// The hole pages left after ghosts came back.
+    pub rest: Vec<usize>,
+    /// Pages to bind: (page, unit).
+    pub got: Vec<(usize, usize)>,
+    /// Units created by the call.
+    pub created: Vec<usize>,
+    /// Single pages gathered for the block.
+    pub pool: Vec<usize>,
+    /// Where each moved page was active (tracing only).
+    pub moved_from: Vec<(usize, usize)>,
+    /// See `rebind_singles` (page mapping).
+    pub rebind: RebindScratch,
+    pub plan: Plan,
+}
+
+/// Scratch space of `rebind_singles` (page mapping).
+#[derive(Debug, Default)]
+pub(crate) struct RebindScratch {
+    pub moves: Vec<(usize, usize)>,
+    pub owners: Vec<usize>,
+    pub phys: Vec<usize>,
+}
+
+/// Where the physical memory for a block's hole pages comes from (see
+/// `Pages::plan`).
+#[derive(Debug, Default)]
+pub(crate) struct Plan {
+    /// Free units moved whole: (first target page, unit).
+    pub moves: Vec<(usize, usize)>,
+    /// Spare single pages used.
+    pub spare_used: usize,
+    /// Completed idle single pages moved here.
+    pub victims: Vec<usize>,
+    /// The target pages of the spare and moved single pages, in order.
+    pub singles: Vec<usize>,
+    /// Free units released to make room for growth.
+    pub release: Vec<usize>,
+    /// Runs of target pages that growth fills: (first, count).
+    pub missing: Vec<(usize, usize)>,
+    /// Scratch: the free units found.
+    pub free: Vec<usize>,
+    /// Scratch: the free units that did not move, largest first.
+    pub left: Vec<usize>,
+}
+
+impl Plan {
+    /// Empty, keeping the vectors' room.
+    pub fn clear(&mut self) {
+        self.moves.clear();
+        self.spare_used = 0;
+        self.victims.clear();
+        self.singles.clear();
+        self.release.clear();
+        self.missing.clear();
+        self.free.clear();
+        self.left.clear();
+    }
 }
 
 #[cfg(test)]
