@@ -1383,7 +1383,10 @@ impl<D: Device> StreamOrder<D> {
         moved
     }
 
-    /// Record events lazily on streams with uncovered frees, query the
+    /// Record events lazily on streams with uncovered frees (a stream with
+    /// no event pending is asked first whether all its work is done: then
+    /// its open epoch is complete at once, where an event recorded now
+    /// would complete only after the stream's next work), query the
     /// recorded events, and upgrade guards that are now known complete
     /// (observed ones only under opportunistic reuse: otherwise a free
     /// observed complete is still reused only through a dependency).
@@ -1397,8 +1400,16 @@ impl<D: Device> StreamOrder<D> {
         self.for_busy(|id, s| {
             if s.frees_in_epoch && !s.retired && !self.device.is_capturing(s.stream).unwrap_or(true)
             {
-                // A failure leaves the epoch open: the next pass tries again.
-                let _ = self.record_closing(s);
+                if s.recorded.is_empty() && matches!(self.device.query_stream(s.stream), Ok(true)) {
+                    // All the stream's work is done: its open epoch is
+                    // complete now, with no event to record and wait for.
+                    let epoch = s.close_epoch_synced();
+                    done.mark_observed(id, epoch);
+                } else {
+                    // A failure leaves the epoch open: the next pass tries
+                    // again.
+                    let _ = self.record_closing(s);
+                }
             }
             self.observe_recorded(id, s, done);
         });

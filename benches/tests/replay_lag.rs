@@ -208,3 +208,16 @@ fn lag_zero_replays_as_today_and_a_lag_changes_reuse() {
         plain[0].0
     );
 }
+
+/// A stream whose work is all done needs no event: at a lag of 1, B's
+/// allocation one operation after A's free finds A idle and takes its
+/// page. An event recorded then, at the allocation, would complete only
+/// one operation later, and B would get new memory.
+#[test]
+fn an_idle_stream_s_free_needs_no_event() {
+    assert!(b_gets_a_page(1, 0), "A is idle: its free is complete");
+    assert!(
+        !b_gets_a_page(2, 0),
+        "at a lag of 2 A's free, one operation old, is still running"
+    );
+}
