@@ -259,17 +259,6 @@ impl ArenaState {
 /// window of its own rather than overwrite that one, and both patterns
 /// come back, without a bind, when a training loop meets them again (the
 /// first steps of every pass, then the steps that repeat).
-///
-/// The weight never makes the pool grow more than the window with the
-/// fewest binds would: when the weighed window needs new pages (more
-/// pages to activate than the spare pages and the idle pages whose frees
-/// are complete), the fewest-binds window is taken if it needs fewer.
-/// While frees are pending (kernels still running), the pages freed last
-/// are usable in place by their stream but cannot move, and a window kept
-/// apart for its ghosts then grows the pool: replayed on the host with a
-/// completion lag of 1 or 2 operations, gpt2-varlen's warm ratio was
-/// 1.0694 with the weight alone, 1.0413 with this guard (as without the
-/// weight); with every free complete at once the guard changes nothing.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn best_window(
     st: &State<'_>,
@@ -281,67 +270,10 @@ pub(crate) fn best_window(
     reuse: ReusePolicy,
     keep_ghosts: bool,
 ) -> Option<(usize, usize, usize)> {
-    let search = |keep: bool| {
-        if align == st.arena.page() {
-            paged_best_window(st, len, zone, me, clock, reuse, keep)
-        } else {
-            walked_best_window(st, len, align, zone, me, clock, reuse, keep)
-        }
-    };
-    let weighed = search(keep_ghosts)?;
-    if !keep_ghosts || weighed.0 == 0 {
-        return Some(weighed);
+    if align == st.arena.page() {
+        return paged_best_window(st, len, zone, me, clock, reuse, keep_ghosts);
     }
-    // The weight must not make the pool grow more than the fewest binds
-    // would: where the weighed window needs more pages than the pool can
-    // move in, the window with the fewest binds is taken if it grows less.
-    let avail = movable_pages(st);
-    let grows = window_growth(st, len, weighed, avail);
-    if grows == 0 {
-        return Some(weighed);
-    }
-    let plain = search(false)?;
-    if window_growth(st, len, plain, avail) < grows {
-        return Some(plain);
-    }
-    Some(weighed)
-}
-
-/// Pages a block could take without growth: spare single pages, and idle
-/// single pages whose frees are complete (see [`idle_movable`]).
-fn movable_pages(st: &State<'_>) -> usize {
-    let idle = st
-        .arena
-        .idle_pages()
-        .filter(|&p| idle_movable(st, p))
-        .count();
-    st.arena.spare_singles() + idle
-}
-
-/// How many new pages placing `len` bytes at `window` (binds, pages to
-/// activate, start) needs, given `avail` [`movable_pages`]: each page to
-/// activate takes one of those (a ghost that comes back takes its own
-/// physical page, from where it is idle or spare), and the idle pages
-/// inside the window, counted in `avail`, cannot move into it.
-fn window_growth(st: &State<'_>, len: usize, window: (usize, usize, usize), avail: usize) -> usize {
-    let page = st.arena.page();
-    let (_, acts, start) = window;
-    let inside = (start / page..=(start + len - 1) / page)
-        .filter(|&p| idle_movable(st, p))
-        .count();
-    (acts + inside).saturating_sub(avail)
-}
-
-/// Whether page `p` is active with no block in use, holds a single page
-/// and has its frees complete: a page that may move elsewhere now.
-fn idle_movable(st: &State<'_>, p: usize) -> bool {
-    st.arena.is_active(p)
-        && st.arena.users(p) == 0
-        && st
-            .arena
-            .mapping_at(p)
-            .is_some_and(|phys| st.arena.unit_pages(phys) == 1)
-        && st.page_complete(p)
+    walked_best_window(st, len, align, zone, me, clock, reuse, keep_ghosts)
 }
 
 /// [`best_window`] by weighing every window [`each_window`] offers: one
