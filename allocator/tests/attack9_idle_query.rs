@@ -22,7 +22,7 @@ mod common;
 use common::{tag_kernel, Blocker};
 use std::sync::Arc;
 use tidepool::{Allocation, MemPool, PoolConfig, ReusePolicy};
-use tidepool_sys::{Device, DevicePtr, HostDevice, Stream};
+use tidepool_sys::{Device, DevicePtr, FaultInjector, HostDevice, Op, Stream};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -226,11 +226,12 @@ fn a_declared_use_on_a_held_stream_keeps_an_idle_stream_s_free_pending() {
 #[test]
 fn an_idle_stream_s_free_follows_the_reuse_policy() {
     for &size in &SIZES[2..] {
-        for opportunistic in [true, false] {
-            let dev = Arc::new(common::host());
-            let pool = common::pool(&dev, config(opportunistic, true, false));
+        for (opportunistic, cache) in [(true, false), (false, false), (true, true), (false, true)] {
+            let dev = Arc::new(FaultInjector::new(common::host()));
+            let pool = MemPool::new(dev.clone(), config(opportunistic, true, cache)).expect("pool");
             let st = common::streams(&*dev, 2);
             let (s, t) = (st[0], st[1]);
+            let what = format!("{size} B, opportunistic {opportunistic}, cache {cache}");
             // Keep t's stream state known to the pool.
             let warm = pool.alloc_async(size, t).expect("alloc");
             pool.free_async(warm, t).expect("free");
@@ -238,31 +239,36 @@ fn an_idle_stream_s_free_follows_the_reuse_policy() {
             let keep = pool.alloc_async(size, t).expect("alloc");
             let x = pool.alloc_async(size, s).expect("alloc");
             let (xp, xl) = (x.ptr(), x.size());
-            assert!(tag_kernel(&dev, s, xp, words(xl), 7).recv().expect("ran"));
+            assert!(tag_kernel(dev.inner(), s, xp, words(xl), 7)
+                .recv()
+                .expect("ran"));
             // Idle, and the pool is not told: only a query can see it.
-            dev.synchronize_stream(s).expect("device sync");
+            dev.inner().synchronize_stream(s).expect("device sync");
             pool.free_async(x, s).expect("free");
             let reserved = pool.stats().reserved_current;
+            let events = dev.calls(Op::RecordEvent);
             let y = pool.alloc_async(size, t).expect("alloc");
             if opportunistic {
                 assert_eq!(
                     (y.ptr(), pool.stats().reserved_current),
                     (xp, reserved),
-                    "{size} B: s is idle, its free is complete"
+                    "{what}: s is idle, its free is complete"
+                );
+                assert_eq!(
+                    dev.calls(Op::RecordEvent),
+                    events,
+                    "{what}: an idle stream needs no event"
                 );
                 pool.free_async(y, t).expect("free");
             } else {
                 assert!(
                     !overlaps(&y, xp, xl),
-                    "{size} B: opportunistic reuse is off, t has not waited on s"
+                    "{what}: opportunistic reuse is off, t has not waited on s"
                 );
                 let ev = pool.record_event(s).expect("record");
                 pool.wait_event(t, &ev).expect("wait");
                 let z = pool.alloc_async(size, t).expect("alloc");
-                assert!(
-                    overlaps(&z, xp, xl),
-                    "{size} B: t waited on s after its free"
-                );
+                assert!(overlaps(&z, xp, xl), "{what}: t waited on s after its free");
                 pool.free_async(z, t).expect("free");
                 pool.free_async(y, t).expect("free");
             }
