@@ -15,6 +15,8 @@
 //!   reserved and the device holds no handle; the dropped pool leaves no
 //!   mapping behind.
 
+mod common;
+
 use std::sync::Arc;
 use tidepool::{Allocation, MemPool, PoolConfig, PoolError};
 use tidepool_sys::{Device, FaultInjector, HostConfig, HostDevice, Op, Stream, SysError};
@@ -63,23 +65,6 @@ impl Run {
         }
     }
 
-    /// Addresses of a word at both ends of every page of a block.
-    fn words(a: &Allocation) -> Vec<u64> {
-        let (start, end) = (a.ptr(), a.ptr() + a.size() as u64);
-        let mut out = Vec::new();
-        let mut p = start / PAGE as u64 * PAGE as u64;
-        while p < end {
-            let lo = start.max(p).next_multiple_of(4);
-            let hi = (end.min(p + PAGE as u64) / 4 * 4).saturating_sub(4);
-            out.push(lo);
-            if hi > lo {
-                out.push(hi);
-            }
-            p += PAGE as u64;
-        }
-        out
-    }
-
     fn retry<T>(&mut self, what: &str, mut f: impl FnMut(&Self) -> Result<T, PoolError>) -> T {
         match f(self) {
             Ok(v) => v,
@@ -102,7 +87,7 @@ impl Run {
         }
         self.tag += 1;
         let inner = self.dev.inner();
-        for (j, w) in Self::words(&a).into_iter().enumerate() {
+        for (j, w) in common::page_end_words(&a).into_iter().enumerate() {
             inner
                 .write_words(w, &[self.tag << 16 | j as u32])
                 .unwrap_or_else(|e| panic!("{what}: page of the new block not usable: {e}"));
@@ -115,7 +100,7 @@ impl Run {
     fn check_all(&self, what: &str) {
         let inner = self.dev.inner();
         for (a, tag) in &self.live {
-            for (j, w) in Self::words(a).into_iter().enumerate() {
+            for (j, w) in common::page_end_words(a).into_iter().enumerate() {
                 let got = inner
                     .read_words(w, 1)
                     .unwrap_or_else(|e| panic!("{what}: a live block's page was unmapped: {e}"));

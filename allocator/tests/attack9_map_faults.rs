@@ -18,7 +18,7 @@
 
 mod common;
 
-use common::{Blocker, Rng};
+use common::{page_end_words, Blocker, Rng};
 use std::sync::Arc;
 use tidepool::{Allocation, MemPool, PoolConfig, PoolError, ReusePolicy};
 use tidepool_sys::{Device, FaultInjector, HostConfig, HostDevice, Op, Stream, SysError};
@@ -32,23 +32,6 @@ fn is_injected(e: &PoolError) -> bool {
     format!("{e:?}").contains("Injected")
 }
 
-/// Addresses of a word at both ends of every page of a block.
-fn probe_words(a: &Allocation) -> Vec<u64> {
-    let (start, end) = (a.ptr(), a.ptr() + a.size() as u64);
-    let mut out = Vec::new();
-    let mut p = start / PAGE as u64 * PAGE as u64;
-    while p < end {
-        let lo = start.max(p).next_multiple_of(4);
-        let hi = (end.min(p + PAGE as u64) / 4 * 4).saturating_sub(4);
-        out.push(lo);
-        if hi > lo {
-            out.push(hi);
-        }
-        p += PAGE as u64;
-    }
-    out
-}
-
 struct Live {
     a: Allocation,
     tag: u32,
@@ -57,7 +40,7 @@ struct Live {
 
 fn check_all(dev: &Dev, live: &[Live], what: &str) {
     for l in live {
-        for (j, w) in probe_words(&l.a).into_iter().enumerate() {
+        for (j, w) in page_end_words(&l.a).into_iter().enumerate() {
             let got = dev
                 .inner()
                 .read_words(w, 1)
@@ -115,7 +98,7 @@ fn run(cfg: PoolConfig, seed: u64, op: Op, period: u64) -> usize {
                         );
                     }
                     tag += 1;
-                    for (j, w) in probe_words(&a).into_iter().enumerate() {
+                    for (j, w) in page_end_words(&a).into_iter().enumerate() {
                         dev.inner()
                             .write_words(w, &[tag << 12 | j as u32])
                             .unwrap_or_else(|e| panic!("{what}: new block not usable: {e}"));

@@ -8,7 +8,7 @@ pub mod wrap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
-use tidepool::{MemPool, PoolConfig};
+use tidepool::{Allocation, MemPool, PoolConfig};
 use tidepool_sys::{Device, DevicePtr, HostConfig, HostDevice, Stream};
 
 /// Granularity = the pool's page size in these tests.
@@ -163,4 +163,22 @@ pub fn pattern(seed: u32, n: usize) -> Vec<u32> {
     (0..n as u32)
         .map(|i| seed.wrapping_mul(0x9E37_79B9) ^ i)
         .collect()
+}
+
+/// Addresses of a word at both ends of every page a block touches: where
+/// a page bound to the wrong place, or lost, shows first.
+pub fn page_end_words(a: &Allocation) -> Vec<u64> {
+    let (start, end) = (a.ptr(), a.ptr() + a.size() as u64);
+    let mut out = Vec::new();
+    let mut p = start / PAGE as u64 * PAGE as u64;
+    while p < end {
+        let lo = start.max(p).next_multiple_of(4);
+        let hi = (end.min(p + PAGE as u64) / 4 * 4).saturating_sub(4);
+        out.push(lo);
+        if hi > lo {
+            out.push(hi);
+        }
+        p += PAGE as u64;
+    }
+    out
 }
