@@ -16,9 +16,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 use tidepool_sys::{
-    AccessDesc, CaptureMode, CaptureStatus, Device, DevicePtr, Event, Graph, GraphExec,
-    GraphOptions, HostTask, IpcEvent, IpcEventHandle, MemInfo, Physical, PhysicalOptions, Stream,
-    StreamProbe, SysResult,
+    AccessDesc, CaptureStatus, Device, DevicePtr, Event, HostTask, MemInfo, Physical,
+    PhysicalOptions, Stream, StreamProbe, SysResult,
 };
 
 /// The kinds of driver call [`Timed`] counts, in report order.
@@ -271,59 +270,6 @@ impl<D: Device> Device for Timed<D> {
     fn capture_status(&self, stream: Stream) -> SysResult<CaptureStatus> {
         self.time(DriverOp::StreamQuery, |d| d.capture_status(stream))
     }
-    fn graph_alloc(&self, stream: Stream, size: usize) -> SysResult<DevicePtr> {
-        self.inner.graph_alloc(stream, size)
-    }
-    fn graph_free(&self, stream: Stream, ptr: DevicePtr) -> SysResult<()> {
-        self.inner.graph_free(stream, ptr)
-    }
-    fn begin_capture(&self, stream: Stream, mode: CaptureMode) -> SysResult<()> {
-        self.inner.begin_capture(stream, mode)
-    }
-    fn end_capture(&self, stream: Stream) -> SysResult<Graph> {
-        self.inner.end_capture(stream)
-    }
-    fn instantiate_graph(&self, graph: Graph, options: GraphOptions) -> SysResult<GraphExec> {
-        self.inner.instantiate_graph(graph, options)
-    }
-    fn launch_graph(&self, exec: GraphExec, stream: Stream) -> SysResult<()> {
-        self.inner.launch_graph(exec, stream)
-    }
-    fn destroy_graph(&self, graph: Graph) -> SysResult<()> {
-        self.inner.destroy_graph(graph)
-    }
-    fn destroy_graph_exec(&self, exec: GraphExec) -> SysResult<()> {
-        self.inner.destroy_graph_exec(exec)
-    }
 
-    fn device_count(&self) -> SysResult<i32> {
-        self.inner.device_count()
-    }
-    fn can_access_peer(&self, peer: i32) -> SysResult<bool> {
-        self.inner.can_access_peer(peer)
-    }
-    fn get_access(&self, ptr: DevicePtr, device: i32) -> SysResult<tidepool_sys::Access> {
-        self.inner.get_access(ptr, device)
-    }
-    fn create_ipc_event(&self) -> SysResult<(IpcEvent, IpcEventHandle)> {
-        self.inner.create_ipc_event()
-    }
-    fn open_ipc_event(&self, handle: IpcEventHandle) -> SysResult<IpcEvent> {
-        self.inner.open_ipc_event(handle)
-    }
-    fn record_ipc_event(&self, event: IpcEvent, stream: Stream) -> SysResult<()> {
-        self.inner.record_ipc_event(event, stream)
-    }
-    fn query_ipc_event(&self, event: IpcEvent) -> SysResult<bool> {
-        self.inner.query_ipc_event(event)
-    }
-    fn synchronize_ipc_event(&self, event: IpcEvent) -> SysResult<()> {
-        self.inner.synchronize_ipc_event(event)
-    }
-    fn wait_ipc_event(&self, stream: Stream, event: IpcEvent) -> SysResult<()> {
-        self.inner.wait_ipc_event(stream, event)
-    }
-    fn destroy_ipc_event(&self, event: IpcEvent) -> SysResult<()> {
-        self.inner.destroy_ipc_event(event)
-    }
+    super::forward_untouched_device_calls!();
 }
