@@ -673,3 +673,20 @@ fn lag_reaches_the_pool() {
     assert_eq!(plain, decided(&["--lag", "0"]));
     assert_ne!(plain, decided(&["--lag", "64"]));
 }
+
+#[test]
+fn the_json_names_the_lag_a_pass_ran_under() {
+    let t = trace("pipeline.csv.gz");
+    let json = |extra: &[&str]| {
+        let mut args = vec!["--backend", "host", "--allocator", "tidepool", "--json"];
+        args.extend_from_slice(&["--max-ops", "2000"]);
+        args.extend_from_slice(extra);
+        args.push(t.to_str().unwrap());
+        let o = run(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        String::from_utf8(o.stdout).unwrap()
+    };
+    assert!(!json(&[]).contains("\"lag\""), "no lag, no field");
+    let lagged = json(&["--lag", "7"]);
+    assert!(lagged.contains("\"lag\":7,"), "{lagged}");
+}

@@ -64,6 +64,7 @@ fn check(name: &str, ops: usize, config: PoolConfig) {
             backend: "host".into(),
             allocator: "tidepool".into(),
             result: r.clone(),
+            lag: None,
             note: None,
         };
         let json = rec.to_json();

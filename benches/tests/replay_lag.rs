@@ -69,6 +69,27 @@ fn a_stream_is_idle_lag_operations_after_its_last_one() {
 }
 
 #[test]
+fn a_stream_with_a_pending_event_is_not_idle() {
+    let (clock, dev) = lagged(2);
+    let (a, b) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    clock.tick(a);
+    clock.tick(b);
+    let ev = dev.create_event().unwrap();
+    // Recorded after a's last operation: a is busy as long as the event is.
+    dev.record_event(ev, a).unwrap();
+    clock.tick(b);
+    assert!(!dev.query_event(ev).unwrap());
+    assert!(
+        !dev.query_stream(a).unwrap(),
+        "a stream whose recorded event is pending is not idle"
+    );
+    clock.tick(b);
+    assert!(dev.query_event(ev).unwrap());
+    assert!(dev.query_stream(a).unwrap());
+    dev.destroy_event(ev).unwrap();
+}
+
+#[test]
 fn host_waits_complete_at_once() {
     let (clock, dev) = lagged(1000);
     let (a, b) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());

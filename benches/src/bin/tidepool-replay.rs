@@ -47,8 +47,9 @@ OUTPUT (one row per trace, allocator and pass)
   With --json, the same fields (and `valid`, `warm`, the allocator's own
   counters) as one JSON object per line on stdout. For tidepool, also
   `driver_calls`, `driver_ms` (calls of each kind of driver call made in
-  the pass and the milliseconds spent in them) and `driver_ms_total`; the
-  table is followed by the same figures, one line per pass.
+  the pass and the milliseconds spent in them) and `driver_ms_total`, and
+  `lag` when the pass ran under --lag; the table is followed by the same
+  figures, one line per pass.
 
 EXIT STATUS
   0 success (or stdout closed early by its reader, as with `| head`); 1 the

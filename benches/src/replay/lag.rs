@@ -10,11 +10,11 @@
 //! operations, the wrapper answers "not done" to an event query until `N`
 //! more trace operations have been issued after the event's record, and to
 //! a stream query until `N` more have been issued after the stream's last
-//! operation. A host wait (`synchronize_event`, `synchronize_stream`,
-//! `synchronize_device`) makes what it waited for done at once, as on a
-//! GPU. Every answer is also the wrapped device's: the wrapper only ever
-//! turns a "done" into "not done", which is always safe for a pool (it
-//! waits or grows; it never reuses too early).
+//! operation or event record. A host wait (`synchronize_event`,
+//! `synchronize_stream`, `synchronize_device`) makes what it waited for
+//! done at once, as on a GPU. Every answer is also the wrapped device's:
+//! the wrapper only ever turns a "done" into "not done", which is always
+//! safe for a pool (it waits or grows; it never reuses too early).
 //!
 //! The clock is a count of trace operations ([`LagClock::tick`], called
 //! by the replayer's allocator once per operation), never time: the same
@@ -230,6 +230,10 @@ impl<D: Device> Device for Lagged<D> {
         lock(&self.waited)
             .events
             .insert(event.id(), (stream.id(), now));
+        // A record is work of the stream: the stream is idle no earlier
+        // than its event is done (on a GPU an idle stream has no pending
+        // event).
+        self.clock.extend(stream, now);
         Ok(())
     }
     fn query_event(&self, event: Event) -> SysResult<bool> {

@@ -13,6 +13,9 @@ pub struct Record {
     pub backend: String,
     pub allocator: String,
     pub result: PassResult,
+    /// The completion lag the pass ran under, in trace operations, when it
+    /// ran under one (see `--lag`).
+    pub lag: Option<u64>,
     /// Why the ratio is what it is, when it holds by construction.
     pub note: Option<String>,
 }
@@ -35,6 +38,8 @@ struct JsonRecord<'a> {
     valid: bool,
     ops_per_sec: f64,
     wall_s: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lag: Option<u64>,
     #[serde(flatten)]
     counters: BTreeMap<&'static str, u64>,
     /// Driver calls of the pass per kind (see [`crate::replay::timed`]):
@@ -77,6 +82,7 @@ impl Record {
             valid: self.is_valid(),
             ops_per_sec: r.ops_per_sec(),
             wall_s: r.wall.as_secs_f64(),
+            lag: self.lag,
             counters: r.counters.iter().copied().collect(),
             driver_calls: (!r.driver.is_empty())
                 .then(|| reported(r).map(|(n, s)| (n, s.calls)).collect()),

@@ -245,6 +245,7 @@ fn record(trace: &Trace, opts: &SessionOptions, kind: AllocatorKind, r: PassResu
         backend: opts.backend.name().to_string(),
         allocator: kind.name().to_string(),
         result: r,
+        lag: (opts.lag > 0 && kind == AllocatorKind::Tidepool).then_some(opts.lag),
         note: kind.note().map(str::to_string),
     }
 }
