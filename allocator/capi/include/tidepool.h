@@ -170,6 +170,19 @@ typedef struct tidepool_config {
    * Host backend only: bytes of "device memory" (default 1 GiB).
    */
   uint64_t host_capacity;
+  /**
+   * Largest piece of physical memory created at once for a large block,
+   * rounded down to a power of two times the page size; 0 or the page
+   * size (the default) gives every block single pages. Larger pieces
+   * make a pool's first growth cheaper (fewer driver calls) but let it
+   * move and give back memory less finely.
+   */
+  uint64_t max_unit_size;
+  /**
+   * Blocks from this many bytes on get their new memory in pieces of up
+   * to `max_unit_size` (default 256 MiB).
+   */
+  uint64_t unit_min_block;
 } tidepool_config;
 
 /**
@@ -262,6 +275,14 @@ const char *tidepool_status_string(int status);
  * memory on synchronise, every reuse rule on, capture check on).
  */
 enum tidepool_status tidepool_config_init(struct tidepool_config *config);
+
+/**
+ * The size in bytes of `tidepool_config` in this library. The struct
+ * gains fields between versions: a program or binding that fills its own
+ * copy can compare its size with this one to find out that it was built
+ * against another version's header.
+ */
+size_t tidepool_config_size(void);
 
 /**
  * Create a pool. Destroy it with `tidepool_pool_destroy`.

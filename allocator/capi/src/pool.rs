@@ -58,6 +58,15 @@ pub struct tidepool_config {
     pub check_capture: bool,
     /// Host backend only: bytes of "device memory" (default 1 GiB).
     pub host_capacity: u64,
+    /// Largest piece of physical memory created at once for a large block,
+    /// rounded down to a power of two times the page size; 0 or the page
+    /// size (the default) gives every block single pages. Larger pieces
+    /// make a pool's first growth cheaper (fewer driver calls) but let it
+    /// move and give back memory less finely.
+    pub max_unit_size: u64,
+    /// Blocks from this many bytes on get their new memory in pieces of up
+    /// to `max_unit_size` (default 256 MiB).
+    pub unit_min_block: u64,
 }
 
 impl tidepool_config {
@@ -77,6 +86,8 @@ impl tidepool_config {
             stream_cache_bytes: d.stream_cache_bytes as u64,
             check_capture: d.check_capture,
             host_capacity: 1 << 30,
+            max_unit_size: d.max_unit_size as u64,
+            unit_min_block: d.unit_min_block as u64,
         }
     }
 
@@ -100,6 +111,8 @@ impl tidepool_config {
             .with_page_size(size(self.page_size, "page_size")?)
             .with_va_size(size(self.va_size, "va_size")?)
             .with_stream_cache_bytes(size(self.stream_cache_bytes, "stream_cache_bytes")?)
+            .with_max_unit_size(size(self.max_unit_size, "max_unit_size")?)
+            .with_unit_min_block(size(self.unit_min_block, "unit_min_block")?)
             .with_check_capture(self.check_capture);
         if self.max_size != 0 {
             c = c.with_max_size(self.max_size);
@@ -512,6 +525,15 @@ pub extern "C" fn tidepool_config_init(config: *mut tidepool_config) -> tidepool
     guard("tidepool_config_init", || {
         write_out(config, tidepool_config::defaults(), "config")
     })
+}
+
+/// The size in bytes of `tidepool_config` in this library. The struct
+/// gains fields between versions: a program or binding that fills its own
+/// copy can compare its size with this one to find out that it was built
+/// against another version's header.
+#[no_mangle]
+pub extern "C" fn tidepool_config_size() -> usize {
+    std::mem::size_of::<tidepool_config>()
 }
 
 /// Create a pool. Destroy it with `tidepool_pool_destroy`.

@@ -96,6 +96,26 @@ if "TIDEPOOL_LIB" in os.environ:
     if tidepool_torch.owns(0):
         failures.append("owns(0) is true")
 
+    # A package whose config struct is not the library's refuses to load it.
+    import ctypes
+
+    class _ShortConfig(ctypes.Structure):
+        _fields_ = tidepool_torch._Config._fields_[:-2]
+
+    saved = (tidepool_torch._lib, tidepool_torch._path, tidepool_torch._Config)
+
+    def load_with_another_config():
+        tidepool_torch._lib = None
+        tidepool_torch._Config = _ShortConfig
+        try:
+            tidepool_torch._load(os.environ["TIDEPOOL_LIB"])
+        finally:
+            tidepool_torch._lib, tidepool_torch._path, tidepool_torch._Config = saved
+
+    expect(tidepool_torch.TidepoolError, load_with_another_config, "tidepool_config", "bytes")
+    if tidepool_torch._load() is not saved[0]:
+        failures.append("the library loaded before the refused one is no longer used")
+
 if failures:
     for f in failures:
         print("FAILED", f, file=sys.stderr)

@@ -60,6 +60,8 @@ class _Config(ctypes.Structure):
         ("stream_cache_bytes", ctypes.c_uint64),
         ("check_capture", ctypes.c_bool),
         ("host_capacity", ctypes.c_uint64),
+        ("max_unit_size", ctypes.c_uint64),
+        ("unit_min_block", ctypes.c_uint64),
     ]
 
 
@@ -98,6 +100,8 @@ _CONFIG_KEYS = {
     "va_size",
     "stream_cache_bytes",
     "check_capture",
+    "max_unit_size",
+    "unit_min_block",
 }
 
 _HOOKS = [
@@ -193,6 +197,18 @@ def _load(path: Optional[str] = None) -> ctypes.CDLL:
     lib.tidepool_torch_owns.argtypes = [ctypes.c_void_p]
     lib.tidepool_torch_owns.restype = ctypes.c_bool
     lib.tidepool_cuda_available.restype = ctypes.c_bool
+    # The config struct gains fields between versions: filling a struct of
+    # another size would write past the library's, or leave fields unset.
+    size = getattr(lib, "tidepool_config_size", None)
+    if size is not None:
+        size.restype = ctypes.c_size_t
+    theirs = size() if size is not None else None
+    if theirs != ctypes.sizeof(_Config):
+        raise TidepoolError(
+            f"{path} does not match this tidepool_torch: its tidepool_config is "
+            f"{theirs if theirs is not None else 'of unknown size'} bytes, this package's "
+            f"{ctypes.sizeof(_Config)}; use the library built from the same sources"
+        )
     _lib, _path = lib, path
     return lib
 
@@ -213,7 +229,10 @@ def install(library: Optional[str] = None, **config) -> None:
     ``tidepool_config``: ``max_size`` (bytes, per device; 0 = none),
     ``release_threshold``, ``follow_event_dependencies``, ``opportunistic``,
     ``internal_dependencies``, ``wait_for_pending_frees``, ``page_size``,
-    ``va_size``, ``stream_cache_bytes``, ``check_capture``.
+    ``va_size``, ``stream_cache_bytes``, ``check_capture``,
+    ``max_unit_size`` (bytes; larger pieces of physical memory for large
+    blocks: a cheaper first growth, coarser reuse; 0 = single pages),
+    ``unit_min_block`` (bytes; the smallest block that gets them).
     """
     global _allocator, _hooks
     unknown = set(config) - _CONFIG_KEYS

@@ -108,6 +108,43 @@ static void alloc_free_and_stats(void) {
     CHECK_STATUS(tidepool_pool_destroy(pool), TIDEPOOL_OK);
 }
 
+/* Units: an 8 MiB block gets one 8 MiB piece of physical memory where the
+ * default gives it four 2 MiB pages (the host backend's page size). */
+static uint64_t growths_for_8_mib(uint64_t max_unit_size, uint64_t unit_min_block) {
+    tidepool_config cfg;
+    CHECK_STATUS(tidepool_config_init(&cfg), TIDEPOOL_OK);
+    CHECK(cfg.max_unit_size == 0 && cfg.unit_min_block == 256 * MiB);
+    cfg.backend = TIDEPOOL_BACKEND_HOST;
+    cfg.host_capacity = 64 * MiB;
+    cfg.va_size = 256 * MiB;
+    if (max_unit_size != 0) {
+        cfg.max_unit_size = max_unit_size;
+        cfg.unit_min_block = unit_min_block;
+    }
+    tidepool_pool *pool = NULL;
+    CHECK_STATUS(tidepool_pool_create(&cfg, &pool), TIDEPOOL_OK);
+    if (pool == NULL) return 0;
+    tidepool_stream s0;
+    CHECK_STATUS(tidepool_stream_default(pool, &s0), TIDEPOOL_OK);
+    void *p = NULL;
+    CHECK_STATUS(tidepool_alloc_async(pool, 8 * MiB, s0, &p), TIDEPOOL_OK);
+    memset(p, 0x5a, 8 * MiB);
+    CHECK(((unsigned char *)p)[8 * MiB - 1] == 0x5a);
+    tidepool_stats st;
+    CHECK_STATUS(tidepool_get_stats(pool, &st), TIDEPOOL_OK);
+    CHECK_STATUS(tidepool_free_async(pool, p, s0), TIDEPOOL_OK);
+    CHECK_STATUS(tidepool_pool_destroy(pool), TIDEPOOL_OK);
+    return st.growths;
+}
+
+static void physical_units(void) {
+    CHECK(tidepool_config_size() == sizeof(tidepool_config));
+    CHECK(growths_for_8_mib(0, 0) == 4);
+    CHECK(growths_for_8_mib(8 * MiB, 8 * MiB) == 1);
+    /* Below unit_min_block, single pages again. */
+    CHECK(growths_for_8_mib(8 * MiB, 16 * MiB) == 4);
+}
+
 static void size_zero_and_null_arguments(void) {
     tidepool_pool *pool = host_pool(0);
     tidepool_stream s0;
@@ -185,6 +222,7 @@ static void default_pools_without_a_driver(void) {
 
 int main(void) {
     alloc_free_and_stats();
+    physical_units();
     size_zero_and_null_arguments();
     maximum_sizes();
     default_pools_without_a_driver();
