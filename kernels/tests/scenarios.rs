@@ -143,6 +143,10 @@ liveness_tests!(
     liveness_fragmented_pool_has_no_false_oom:
         "no false out-of-memory: free pages whose sum covers a request that no free range \
          fits are stitched into one range, and live blocks keep their contents",
+    pending_pages_serve_their_own_stream:
+        "pages freed on a stream whose work still writes them serve that stream's next \
+         request, and neither a trim nor another stream's request unmaps or takes what \
+         that work still writes",
 );
 
 // ---------------------------------------------------------------------------
@@ -671,6 +675,88 @@ fn liveness_fragmented_pool_has_no_false_oom<D: Backend>(dev: &Arc<D>, k: &dyn T
         pool.free_async(a, s[0]).expect("free");
     }
     pool.synchronize().expect("synchronize");
+    drop(pool);
+    destroy(&**dev, &s);
+}
+
+/// A pool capped at 8 pages, full of half-page blocks. Every other page's
+/// blocks are freed on s0 behind a late writer (fill, spin, fill again,
+/// verify), so 4 pages are free but pending on s0, and no free range holds
+/// 2 of them. A 2-page request on s0 must be served without growing: from
+/// those pages (the work that still writes them is ordered before the
+/// request's on s0, but their old addresses must stay mapped until that
+/// work is done) or after waiting for them. While the writer still runs, a
+/// trim may give nothing back that it writes, and a 2-page request on s1
+/// must not get memory the writer or s0's new block uses. Every tag
+/// verifies, the late writer's included; when all is done a trim gives
+/// back every page.
+fn pending_pages_serve_their_own_stream<D: Backend>(dev: &Arc<D>, k: &dyn TagKernels) {
+    let page = dev.granularity();
+    let pool = make_pool(dev, Some(8 * page as u64), false, all_on());
+    let s = streams(&**dev, 2);
+    let blocks: Vec<_> = (0..16)
+        .map(|_| pool.alloc_async(page / 2, s[0]).expect("half-page block"))
+        .collect();
+    assert_eq!(pool.stats().reserved_current, 8 * page as u64);
+    let page_of = move |p: u64| p / page as u64;
+    let tag = |i: usize| 0x9E4D_0000 + i as u32;
+    let (mut live, mut freed) = (Vec::new(), Vec::new());
+    for (i, a) in blocks.into_iter().enumerate() {
+        k.fill_tag(s[0], a.ptr(), a.size(), tag(i)).expect("fill");
+        if page_of(a.ptr()) % 2 == 1 {
+            live.push((a, tag(i)));
+        } else {
+            freed.push((a, tag(i)));
+        }
+    }
+    assert_eq!(live.len(), 8, "half-page blocks did not pack two per page");
+    // The late writer of the blocks about to be freed.
+    k.spin(s[0], ns(LONG)).expect("spin");
+    for (a, t) in &freed {
+        k.fill_tag(s[0], a.ptr(), a.size(), *t).expect("late fill");
+        k.verify_tag(s[0], a.ptr(), a.size(), *t).expect("verify");
+    }
+    for (a, _) in freed {
+        pool.free_async(a, s[0]).expect("free");
+    }
+    let before = pool.stats();
+    let own = pool
+        .alloc_async(2 * page, s[0])
+        .unwrap_or_else(|e| panic!("false out-of-memory on the freeing stream: {e}"));
+    assert_eq!(
+        pool.stats().growths,
+        before.growths,
+        "the pool grew past its cap"
+    );
+    newcomer(k, s[0], own.ptr(), 2 * page, 0x9E4D_0A00, SHORT);
+    // Nothing written by pending work may go back to the device.
+    pool.trim_to(0).expect("trim while the writer runs");
+    let other = pool
+        .alloc_async(2 * page, s[1])
+        .unwrap_or_else(|e| panic!("false out-of-memory on the second stream: {e}"));
+    assert!(pool.stats().reserved_current <= 8 * page as u64);
+    newcomer(k, s[1], other.ptr(), 2 * page, 0x9E4D_0B00, SHORT);
+    for (a, t) in &live {
+        k.verify_tag(s[1], a.ptr(), a.size(), *t).expect("verify");
+    }
+    k.verify_tag(s[0], own.ptr(), 2 * page, 0x9E4D_0A00)
+        .expect("verify");
+    for &st in &s {
+        dev.synchronize_stream(st).expect("sync");
+    }
+    assert_clean(k, "pending_pages_serve_their_own_stream");
+    pool.free_async(own, s[0]).expect("free");
+    pool.free_async(other, s[1]).expect("free");
+    for (a, _) in live {
+        pool.free_async(a, s[0]).expect("free");
+    }
+    pool.synchronize().expect("synchronize");
+    pool.trim_to(0).expect("trim");
+    assert_eq!(
+        pool.stats().reserved_current,
+        0,
+        "pages kept after a full trim"
+    );
     drop(pool);
     destroy(&**dev, &s);
 }
