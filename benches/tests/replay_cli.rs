@@ -687,6 +687,15 @@ fn the_json_names_the_lag_a_pass_ran_under() {
         String::from_utf8(o.stdout).unwrap()
     };
     assert!(!json(&[]).contains("\"lag\""), "no lag, no field");
+    assert!(
+        !json(&[]).contains("announced_capture"),
+        "strict mode, no field"
+    );
+    let announced = json(&["--announced-capture"]);
+    assert!(
+        announced.contains("\"announced_capture\":true,"),
+        "{announced}"
+    );
     let lagged = json(&["--lag", "7"]);
     assert!(lagged.contains("\"lag\":7,"), "{lagged}");
 }

@@ -65,6 +65,7 @@ fn check(name: &str, ops: usize, config: PoolConfig) {
             allocator: "tidepool".into(),
             result: r.clone(),
             lag: None,
+            announced_capture: false,
             note: None,
         };
         let json = rec.to_json();

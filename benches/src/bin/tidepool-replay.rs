@@ -48,7 +48,8 @@ OUTPUT (one row per trace, allocator and pass)
   counters) as one JSON object per line on stdout. For tidepool, also
   `driver_calls`, `driver_ms` (calls of each kind of driver call made in
   the pass and the milliseconds spent in them) and `driver_ms_total`, and
-  `lag` when the pass ran under --lag; the table is followed by the same
+  `lag` when the pass ran under --lag, `announced_capture` under
+  --announced-capture; the table is followed by the same
   figures, one line per pass.
 
 EXIT STATUS
@@ -136,6 +137,13 @@ struct Args {
     /// never time: runs are deterministic. 0 (the default): no lag.
     #[arg(long, value_name = "N", default_value_t = 0)]
     lag: u64,
+
+    /// tidepool in announced capture mode (`PoolConfig::check_capture`
+    /// off): an allocation does not ask the device whether its stream is
+    /// being captured into a graph (a replay never captures). Measures
+    /// what the default strict mode's per-allocation query costs.
+    #[arg(long)]
+    announced_capture: bool,
 
     /// Replay only the first N operations of each trace (N >= 1).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
@@ -358,6 +366,7 @@ fn run(args: Args) -> Result<(), (u8, String)> {
         unit_min_block: args.unit_min,
         va_size: args.va_size,
         lag: args.lag,
+        check_capture: !args.announced_capture,
     };
     let bar = if std::io::stderr().is_terminal() {
         let total: usize =

@@ -16,6 +16,9 @@ pub struct Record {
     /// The completion lag the pass ran under, in trace operations, when it
     /// ran under one (see `--lag`).
     pub lag: Option<u64>,
+    /// Whether the pool ran in announced capture mode (no per-allocation
+    /// capture query).
+    pub announced_capture: bool,
     /// Why the ratio is what it is, when it holds by construction.
     pub note: Option<String>,
 }
@@ -40,6 +43,8 @@ struct JsonRecord<'a> {
     wall_s: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     lag: Option<u64>,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    announced_capture: bool,
     #[serde(flatten)]
     counters: BTreeMap<&'static str, u64>,
     /// Driver calls of the pass per kind (see [`crate::replay::timed`]):
@@ -83,6 +88,7 @@ impl Record {
             ops_per_sec: r.ops_per_sec(),
             wall_s: r.wall.as_secs_f64(),
             lag: self.lag,
+            announced_capture: self.announced_capture,
             counters: r.counters.iter().copied().collect(),
             driver_calls: (!r.driver.is_empty())
                 .then(|| reported(r).map(|(n, s)| (n, s.calls)).collect()),

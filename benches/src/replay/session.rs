@@ -136,6 +136,9 @@ pub struct SessionOptions {
     /// Completion lag, in trace operations, of the host backend's work
     /// under tidepool ([`super::lag::Lagged`]; 0: none).
     pub lag: u64,
+    /// tidepool's strict capture check ([`tidepool::PoolConfig::check_capture`];
+    /// `false`: announced mode).
+    pub check_capture: bool,
 }
 
 impl Default for SessionOptions {
@@ -149,6 +152,7 @@ impl Default for SessionOptions {
             max_unit_size: None,
             unit_min_block: None,
             va_size: None,
+            check_capture: true,
             lag: 0,
         }
     }
@@ -190,6 +194,9 @@ pub fn replay(
     }
     if let Some(bytes) = opts.unit_min_block {
         pool_config = pool_config.with_unit_min_block(bytes);
+    }
+    if !opts.check_capture {
+        pool_config = pool_config.with_check_capture(false);
     }
     if let Some(bytes) = opts.va_size {
         pool_config = pool_config.with_va_size(bytes);
@@ -246,6 +253,7 @@ fn record(trace: &Trace, opts: &SessionOptions, kind: AllocatorKind, r: PassResu
         allocator: kind.name().to_string(),
         result: r,
         lag: (opts.lag > 0 && kind == AllocatorKind::Tidepool).then_some(opts.lag),
+        announced_capture: !opts.check_capture && kind == AllocatorKind::Tidepool,
         note: kind.note().map(str::to_string),
     }
 }
