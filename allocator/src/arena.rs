@@ -706,8 +706,6 @@ struct PageSlot {
     mapped: Option<usize>,
     /// Whether that mapping is the physical page's active one.
     active: bool,
-    /// Blocks handed out (or held in a stream cache) that overlap the page.
-    users: u32,
 }
 
 #[derive(Debug)]
@@ -729,6 +727,11 @@ pub(crate) struct Arena {
     page: usize,
     page_no: PageNo,
     pages: Vec<PageSlot>,
+    /// Per page: the blocks handed out (or held in a stream cache) that
+    /// overlap it. Apart from the slots, four bytes a page: every take and
+    /// give-back writes these for each page of its block, and a denser
+    /// array spreads them over fewer cache lines.
+    users: Vec<u32>,
     phys: Slab<PhysPage>,
     /// How many physical units span more than one page.
     multi_units: usize,
@@ -777,6 +780,7 @@ impl Arena {
             page,
             page_no: PageNo::new(page),
             pages: vec![PageSlot::default(); va_size / page],
+            users: vec![0; va_size / page],
             phys: Slab::new(),
             multi_units: 0,
             spare: Vec::new(),
@@ -872,7 +876,7 @@ impl Arena {
     pub fn unit_idle(&self, i: usize) -> bool {
         let ph = &self.phys[i];
         ph.owner
-            .is_some_and(|o| (o..o + ph.pages).all(|q| self.pages[q].users == 0))
+            .is_some_and(|o| (o..o + ph.pages).all(|q| self.users[q] == 0))
     }
 
     /// The driver handle of physical page `i`.
@@ -1291,22 +1295,27 @@ impl Arena {
     fn add_users(&mut self, off: usize, len: usize) {
         let span = self.page_span(off, len);
         let (first, last) = (*span.start(), *span.end());
-        let Arena { pages, idle, .. } = self;
+        let Arena {
+            pages, users, idle, ..
+        } = self;
         let mut edge = |p: usize| {
-            let slot = &mut pages[p];
-            debug_assert!(slot.active, "block on an inactive page");
-            if slot.users == 0 {
+            debug_assert!(pages[p].active, "block on an inactive page");
+            let u = &mut users[p];
+            if *u == 0 {
                 idle.remove(p);
             }
-            slot.users += 1;
+            *u += 1;
         };
         edge(first);
         if last > first {
             edge(last);
-            for slot in &mut pages[first + 1..last] {
-                debug_assert!(slot.active, "block on an inactive page");
-                debug_assert_eq!(slot.users, 0, "a page inside a block has no other user");
-                slot.users = 1;
+            debug_assert!(
+                pages[first + 1..last].iter().all(|s| s.active),
+                "block on an inactive page"
+            );
+            for u in &mut users[first + 1..last] {
+                debug_assert_eq!(*u, 0, "a page inside a block has no other user");
+                *u = 1;
             }
             idle.remove_range(first + 1, last);
         }
@@ -1320,38 +1329,38 @@ impl Arena {
         let span = self.page_span(off, len);
         let (first, last) = (*span.start(), *span.end());
         let Arena {
-            pages,
+            users,
             idle,
             idle_since,
             idle_clock,
             ..
         } = self;
         let edge = |p: usize,
-                    pages: &mut [PageSlot],
+                    users: &mut [u32],
                     idle: &mut PageSet,
                     idle_since: &mut [u64],
                     idle_clock: &mut u64| {
-            let slot = &mut pages[p];
-            slot.users -= 1;
-            if slot.users == 0 {
+            let u = &mut users[p];
+            *u -= 1;
+            if *u == 0 {
                 idle.insert(p);
                 idle_since[p] = *idle_clock;
                 *idle_clock += 1;
             }
         };
-        edge(first, pages, idle, idle_since, idle_clock);
+        edge(first, users, idle, idle_since, idle_clock);
         if last > first {
-            for (slot, since) in pages[first + 1..last]
+            for (u, since) in users[first + 1..last]
                 .iter_mut()
                 .zip(&mut idle_since[first + 1..last])
             {
-                debug_assert_eq!(slot.users, 1, "a page inside a block has no other user");
-                slot.users = 0;
+                debug_assert_eq!(*u, 1, "a page inside a block has no other user");
+                *u = 0;
                 *since = *idle_clock;
                 *idle_clock += 1;
             }
             idle.insert_range(first + 1, last);
-            edge(last, pages, idle, idle_since, idle_clock);
+            edge(last, users, idle, idle_since, idle_clock);
         }
     }
 
@@ -1906,7 +1915,7 @@ impl Arena {
 
     /// Blocks overlapping page `p`.
     pub fn users(&self, p: usize) -> u32 {
-        self.pages[p].users
+        self.users[p]
     }
 
     /// The driver mapped physical unit `phys` at pages `p..p + k` (`k`
@@ -2297,7 +2306,7 @@ impl Arena {
         );
         let k = self.phys[phys].pages;
         for q in p..p + k {
-            assert_eq!(self.pages[q].users, 0, "unmapping a page in use");
+            assert_eq!(self.users[q], 0, "unmapping a page in use");
         }
         self.deactivate_pages(p, k);
         self.phys[phys].owner = None;
@@ -2316,7 +2325,7 @@ impl Arena {
                 Some(q),
                 "deactivating a page not active"
             );
-            assert_eq!(self.pages[q].users, 0, "unmapping a page in use");
+            assert_eq!(self.users[q], 0, "unmapping a page in use");
         }
         self.deactivate_pages(p, n);
         for q in p..p + n {
@@ -2545,7 +2554,7 @@ impl Arena {
                 slot.mapped.is_some(),
                 "mapped set wrong at page {p}"
             );
-            let idle = slot.active && slot.users == 0;
+            let idle = slot.active && self.users[p] == 0;
             assert_eq!(self.idle.contains(p), idle, "idle set wrong at page {p}");
         }
     }
@@ -3020,7 +3029,7 @@ mod tests {
             })
             .collect();
         pending.sort_unstable();
-        let users: Vec<u32> = a.pages.iter().map(|s| s.users).collect();
+        let users = a.users.clone();
         let idle: Vec<usize> = a.idle_pages().collect();
         (books(a), by_size, pending, users, idle, a.idle_clock)
     }
