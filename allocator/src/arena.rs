@@ -92,7 +92,7 @@ impl PageSet {
         self.remove_word(p / 64, 1 << (p % 64));
     }
 
-    #[cfg(test)]
+    #[inline]
     fn contains(&self, p: usize) -> bool {
         self.words[p / 64] & (1 << (p % 64)) != 0
     }
@@ -132,6 +132,16 @@ impl PageSet {
                 self.insert_word(w, Self::mask_in(w, lo, hi));
             }
         }
+    }
+
+    /// Whether every page of `lo..hi` is in the set (yes when `lo >= hi`),
+    /// a word at a time.
+    fn contains_range(&self, lo: usize, hi: usize) -> bool {
+        lo >= hi
+            || (lo / 64..=(hi - 1) / 64).all(|w| {
+                let m = Self::mask_in(w, lo, hi);
+                self.words[w] & m == m
+            })
     }
 
     /// Remove pages `lo..hi` (none when `lo >= hi`), a word at a time.
@@ -750,6 +760,10 @@ pub(crate) struct Arena {
     gaps: Gaps,
     /// Mapped pages that no block overlaps.
     idle: PageSet,
+    /// The pages whose mapping is active (as the slots say): whether a
+    /// block's pages are all active is then a bit test per 64 pages, not
+    /// a read of each page's slot.
+    active: PageSet,
     /// Pages with a mapping at the driver level (active or ghost).
     mapped: PageSet,
     /// Per page: when it last fell idle (a count of such events), so
@@ -791,6 +805,7 @@ impl Arena {
             holes,
             gaps: Gaps::new(va_size, page, 0..va_size),
             idle: PageSet::new(va_size / page),
+            active: PageSet::new(va_size / page),
             mapped: PageSet::new(va_size / page),
             idle_since: vec![0; va_size / page],
             idle_clock: 0,
@@ -1905,7 +1920,14 @@ impl Arena {
 
     /// Whether page `p` holds an active mapping (its bytes are usable).
     pub fn is_active(&self, p: usize) -> bool {
-        self.pages[p].active
+        self.active.contains(p)
+    }
+
+    /// Whether every page that `[off, off+len)` touches is active
+    /// (`len > 0`).
+    pub fn span_active(&self, off: usize, len: usize) -> bool {
+        let span = self.page_span(off, len);
+        self.active.contains_range(*span.start(), *span.end() + 1)
     }
 
     /// The physical page mapped at `p` at the driver level, active or not.
@@ -2285,6 +2307,7 @@ impl Arena {
         }
         for q in p..p + n {
             self.pages[q].active = true;
+            self.active.insert(q);
             self.idle.insert(q);
             self.idle_since[q] = self.idle_clock;
             self.idle_clock += 1;
@@ -2390,6 +2413,7 @@ impl Arena {
             self.idle.remove(q);
             assert!(self.pages[q].active, "deactivating an inactive page");
             self.pages[q].active = false;
+            self.active.remove(q);
         }
     }
 
@@ -2554,6 +2578,11 @@ impl Arena {
                 slot.mapped.is_some(),
                 "mapped set wrong at page {p}"
             );
+            assert_eq!(
+                self.active.contains(p),
+                slot.active,
+                "active set wrong at page {p}"
+            );
             let idle = slot.active && self.users[p] == 0;
             assert_eq!(self.idle.contains(p), idle, "idle set wrong at page {p}");
         }
@@ -2669,6 +2698,52 @@ mod tests {
             assert_eq!(set.contains(p), model.contains(&p));
         }
         assert!(set.iter_rev().eq(model.iter().rev().copied()));
+    }
+
+    #[test]
+    fn page_set_ranges_agree_with_a_btree_set() {
+        let n = 64 * 64 * 2 + 5;
+        let mut set = PageSet::new(n);
+        let mut model = BTreeSet::new();
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let (mut full, mut partial) = (0, 0);
+        for _ in 0..20_000 {
+            // Long stretches set, short ones cleared: ranges of every
+            // length, across word boundaries, come out wholly set or not.
+            let lo = next() as usize % n;
+            let hi = (lo + next() as usize % 300).min(n);
+            if next() % 4 != 0 {
+                set.insert_range(lo, hi);
+                model.extend(lo..hi);
+            } else {
+                let hi = (lo + next() as usize % 8).min(n);
+                set.remove_range(lo, hi);
+                for p in lo..hi {
+                    model.remove(&p);
+                }
+            }
+            let lo = next() as usize % n;
+            let hi = (lo + next() as usize % 200).min(n);
+            let all = (lo..hi).all(|p| model.contains(&p));
+            assert_eq!(set.contains_range(lo, hi), all, "pages {lo}..{hi}");
+            if lo < hi {
+                if all {
+                    full += 1;
+                } else {
+                    partial += 1;
+                }
+            }
+        }
+        assert!(
+            full > 1000 && partial > 1000,
+            "both answers tested: {full} / {partial}"
+        );
     }
 
     #[test]
