@@ -459,7 +459,7 @@ impl<D: Device> MemPool<D> {
             // No capture check, but still no destroyed or foreign stream.
             inner.device.check_stream(stream)?;
         }
-        let entry = inner.order.entry(stream)?;
+        let entry = inner.order.entry_ref(stream)?;
         // A retire racing this allocation cannot have the entry forgotten
         // (its counters folded) before the allocation is counted there.
         let (in_flight, clock) = crate::ordering::AllocInFlight::mark(&entry, stream)?;
