@@ -442,6 +442,21 @@ impl<'a> AllocInFlight<'a> {
         Ok((AllocInFlight { entry }, st.clock.clone()))
     }
 
+    /// [`mark`](Self::mark) under the stream's lock, already held, and
+    /// found not retired; the caller turns it into an `AllocInFlight`
+    /// with [`adopt`](Self::adopt).
+    #[inline(always)]
+    pub fn mark_held(st: &mut StreamState) -> VectorClock {
+        debug_assert!(!st.retired, "a retired stream is refused");
+        st.allocating += 1;
+        st.clock.clone()
+    }
+
+    /// The allocation marked by [`mark_held`](Self::mark_held) on `entry`.
+    pub fn adopt(entry: &'a StreamEntry) -> Self {
+        AllocInFlight { entry }
+    }
+
     /// The allocation is done: `count` runs on the stream's state under
     /// the same lock that ends the mark.
     pub fn finish<R>(self, count: impl FnOnce(&mut StreamState) -> R) -> R {
@@ -999,6 +1014,16 @@ impl<D: Device> StreamOrder<D> {
             }
         }
         self.entry(stream).map(EntryRef::Owned)
+    }
+
+    /// The entry in `stream`'s slot, for an allocation marked in flight on
+    /// it (which keeps it from being forgotten).
+    pub fn slot_entry_ref(&self, stream: Stream) -> EntryRef<'_> {
+        let e = self.direct.get(stream.id());
+        EntryRef::Slot(
+            e.filter(|e| e.id == stream.id())
+                .expect("the stream's slot entry"),
+        )
     }
 
     /// The pool's state for `stream`, created on first use. Ids are never
