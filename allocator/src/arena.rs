@@ -92,7 +92,7 @@ impl PageSet {
         self.remove_word(p / 64, 1 << (p % 64));
     }
 
-    #[cfg(test)]
+    #[inline]
     fn contains(&self, p: usize) -> bool {
         self.words[p / 64] & (1 << (p % 64)) != 0
     }
@@ -132,6 +132,16 @@ impl PageSet {
                 self.insert_word(w, Self::mask_in(w, lo, hi));
             }
         }
+    }
+
+    /// Whether every page of `lo..hi` is in the set (yes when `lo >= hi`),
+    /// a word at a time.
+    fn contains_range(&self, lo: usize, hi: usize) -> bool {
+        lo >= hi
+            || (lo / 64..=(hi - 1) / 64).all(|w| {
+                let m = Self::mask_in(w, lo, hi);
+                self.words[w] & m == m
+            })
     }
 
     /// Remove pages `lo..hi` (none when `lo >= hi`), a word at a time.
@@ -706,8 +716,6 @@ struct PageSlot {
     mapped: Option<usize>,
     /// Whether that mapping is the physical page's active one.
     active: bool,
-    /// Blocks handed out (or held in a stream cache) that overlap the page.
-    users: u32,
 }
 
 #[derive(Debug)]
@@ -729,6 +737,11 @@ pub(crate) struct Arena {
     page: usize,
     page_no: PageNo,
     pages: Vec<PageSlot>,
+    /// Per page: the blocks handed out (or held in a stream cache) that
+    /// overlap it. Apart from the slots, four bytes a page: every take and
+    /// give-back writes these for each page of its block, and a denser
+    /// array spreads them over fewer cache lines.
+    users: Vec<u32>,
     phys: Slab<PhysPage>,
     /// How many physical units span more than one page.
     multi_units: usize,
@@ -747,6 +760,10 @@ pub(crate) struct Arena {
     gaps: Gaps,
     /// Mapped pages that no block overlaps.
     idle: PageSet,
+    /// The pages whose mapping is active (as the slots say): whether a
+    /// block's pages are all active is then a bit test per 64 pages, not
+    /// a read of each page's slot.
+    active: PageSet,
     /// Pages with a mapping at the driver level (active or ghost).
     mapped: PageSet,
     /// Per page: when it last fell idle (a count of such events), so
@@ -777,6 +794,7 @@ impl Arena {
             page,
             page_no: PageNo::new(page),
             pages: vec![PageSlot::default(); va_size / page],
+            users: vec![0; va_size / page],
             phys: Slab::new(),
             multi_units: 0,
             spare: Vec::new(),
@@ -787,6 +805,7 @@ impl Arena {
             holes,
             gaps: Gaps::new(va_size, page, 0..va_size),
             idle: PageSet::new(va_size / page),
+            active: PageSet::new(va_size / page),
             mapped: PageSet::new(va_size / page),
             idle_since: vec![0; va_size / page],
             idle_clock: 0,
@@ -872,7 +891,7 @@ impl Arena {
     pub fn unit_idle(&self, i: usize) -> bool {
         let ph = &self.phys[i];
         ph.owner
-            .is_some_and(|o| (o..o + ph.pages).all(|q| self.pages[q].users == 0))
+            .is_some_and(|o| (o..o + ph.pages).all(|q| self.users[q] == 0))
     }
 
     /// The driver handle of physical page `i`.
@@ -1291,22 +1310,27 @@ impl Arena {
     fn add_users(&mut self, off: usize, len: usize) {
         let span = self.page_span(off, len);
         let (first, last) = (*span.start(), *span.end());
-        let Arena { pages, idle, .. } = self;
+        let Arena {
+            pages, users, idle, ..
+        } = self;
         let mut edge = |p: usize| {
-            let slot = &mut pages[p];
-            debug_assert!(slot.active, "block on an inactive page");
-            if slot.users == 0 {
+            debug_assert!(pages[p].active, "block on an inactive page");
+            let u = &mut users[p];
+            if *u == 0 {
                 idle.remove(p);
             }
-            slot.users += 1;
+            *u += 1;
         };
         edge(first);
         if last > first {
             edge(last);
-            for slot in &mut pages[first + 1..last] {
-                debug_assert!(slot.active, "block on an inactive page");
-                debug_assert_eq!(slot.users, 0, "a page inside a block has no other user");
-                slot.users = 1;
+            debug_assert!(
+                pages[first + 1..last].iter().all(|s| s.active),
+                "block on an inactive page"
+            );
+            for u in &mut users[first + 1..last] {
+                debug_assert_eq!(*u, 0, "a page inside a block has no other user");
+                *u = 1;
             }
             idle.remove_range(first + 1, last);
         }
@@ -1320,38 +1344,38 @@ impl Arena {
         let span = self.page_span(off, len);
         let (first, last) = (*span.start(), *span.end());
         let Arena {
-            pages,
+            users,
             idle,
             idle_since,
             idle_clock,
             ..
         } = self;
         let edge = |p: usize,
-                    pages: &mut [PageSlot],
+                    users: &mut [u32],
                     idle: &mut PageSet,
                     idle_since: &mut [u64],
                     idle_clock: &mut u64| {
-            let slot = &mut pages[p];
-            slot.users -= 1;
-            if slot.users == 0 {
+            let u = &mut users[p];
+            *u -= 1;
+            if *u == 0 {
                 idle.insert(p);
                 idle_since[p] = *idle_clock;
                 *idle_clock += 1;
             }
         };
-        edge(first, pages, idle, idle_since, idle_clock);
+        edge(first, users, idle, idle_since, idle_clock);
         if last > first {
-            for (slot, since) in pages[first + 1..last]
+            for (u, since) in users[first + 1..last]
                 .iter_mut()
                 .zip(&mut idle_since[first + 1..last])
             {
-                debug_assert_eq!(slot.users, 1, "a page inside a block has no other user");
-                slot.users = 0;
+                debug_assert_eq!(*u, 1, "a page inside a block has no other user");
+                *u = 0;
                 *since = *idle_clock;
                 *idle_clock += 1;
             }
             idle.insert_range(first + 1, last);
-            edge(last, pages, idle, idle_since, idle_clock);
+            edge(last, users, idle, idle_since, idle_clock);
         }
     }
 
@@ -1896,7 +1920,14 @@ impl Arena {
 
     /// Whether page `p` holds an active mapping (its bytes are usable).
     pub fn is_active(&self, p: usize) -> bool {
-        self.pages[p].active
+        self.active.contains(p)
+    }
+
+    /// Whether every page that `[off, off+len)` touches is active
+    /// (`len > 0`).
+    pub fn span_active(&self, off: usize, len: usize) -> bool {
+        let span = self.page_span(off, len);
+        self.active.contains_range(*span.start(), *span.end() + 1)
     }
 
     /// The physical page mapped at `p` at the driver level, active or not.
@@ -1906,7 +1937,7 @@ impl Arena {
 
     /// Blocks overlapping page `p`.
     pub fn users(&self, p: usize) -> u32 {
-        self.pages[p].users
+        self.users[p]
     }
 
     /// The driver mapped physical unit `phys` at pages `p..p + k` (`k`
@@ -2276,6 +2307,7 @@ impl Arena {
         }
         for q in p..p + n {
             self.pages[q].active = true;
+            self.active.insert(q);
             self.idle.insert(q);
             self.idle_since[q] = self.idle_clock;
             self.idle_clock += 1;
@@ -2297,7 +2329,7 @@ impl Arena {
         );
         let k = self.phys[phys].pages;
         for q in p..p + k {
-            assert_eq!(self.pages[q].users, 0, "unmapping a page in use");
+            assert_eq!(self.users[q], 0, "unmapping a page in use");
         }
         self.deactivate_pages(p, k);
         self.phys[phys].owner = None;
@@ -2316,7 +2348,7 @@ impl Arena {
                 Some(q),
                 "deactivating a page not active"
             );
-            assert_eq!(self.pages[q].users, 0, "unmapping a page in use");
+            assert_eq!(self.users[q], 0, "unmapping a page in use");
         }
         self.deactivate_pages(p, n);
         for q in p..p + n {
@@ -2381,6 +2413,7 @@ impl Arena {
             self.idle.remove(q);
             assert!(self.pages[q].active, "deactivating an inactive page");
             self.pages[q].active = false;
+            self.active.remove(q);
         }
     }
 
@@ -2545,7 +2578,12 @@ impl Arena {
                 slot.mapped.is_some(),
                 "mapped set wrong at page {p}"
             );
-            let idle = slot.active && slot.users == 0;
+            assert_eq!(
+                self.active.contains(p),
+                slot.active,
+                "active set wrong at page {p}"
+            );
+            let idle = slot.active && self.users[p] == 0;
             assert_eq!(self.idle.contains(p), idle, "idle set wrong at page {p}");
         }
     }
@@ -2660,6 +2698,52 @@ mod tests {
             assert_eq!(set.contains(p), model.contains(&p));
         }
         assert!(set.iter_rev().eq(model.iter().rev().copied()));
+    }
+
+    #[test]
+    fn page_set_ranges_agree_with_a_btree_set() {
+        let n = 64 * 64 * 2 + 5;
+        let mut set = PageSet::new(n);
+        let mut model = BTreeSet::new();
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let (mut full, mut partial) = (0, 0);
+        for _ in 0..20_000 {
+            // Long stretches set, short ones cleared: ranges of every
+            // length, across word boundaries, come out wholly set or not.
+            let lo = next() as usize % n;
+            let hi = (lo + next() as usize % 300).min(n);
+            if next() % 4 != 0 {
+                set.insert_range(lo, hi);
+                model.extend(lo..hi);
+            } else {
+                let hi = (lo + next() as usize % 8).min(n);
+                set.remove_range(lo, hi);
+                for p in lo..hi {
+                    model.remove(&p);
+                }
+            }
+            let lo = next() as usize % n;
+            let hi = (lo + next() as usize % 200).min(n);
+            let all = (lo..hi).all(|p| model.contains(&p));
+            assert_eq!(set.contains_range(lo, hi), all, "pages {lo}..{hi}");
+            if lo < hi {
+                if all {
+                    full += 1;
+                } else {
+                    partial += 1;
+                }
+            }
+        }
+        assert!(
+            full > 1000 && partial > 1000,
+            "both answers tested: {full} / {partial}"
+        );
     }
 
     #[test]
@@ -3020,7 +3104,7 @@ mod tests {
             })
             .collect();
         pending.sort_unstable();
-        let users: Vec<u32> = a.pages.iter().map(|s| s.users).collect();
+        let users = a.users.clone();
         let idle: Vec<usize> = a.idle_pages().collect();
         (books(a), by_size, pending, users, idle, a.idle_clock)
     }

@@ -402,6 +402,25 @@ pub(crate) struct StreamState {
     pub allocating: u32,
 }
 
+/// A stream's entry as [`StreamOrder::entry_ref`] gives it: borrowed from
+/// the stream's slot (set once for the pool's life), or owned.
+pub(crate) enum EntryRef<'a> {
+    Slot(SlotRef<'a, Arc<StreamEntry>>),
+    Owned(Arc<StreamEntry>),
+}
+
+impl std::ops::Deref for EntryRef<'_> {
+    type Target = Arc<StreamEntry>;
+
+    #[inline(always)]
+    fn deref(&self) -> &Arc<StreamEntry> {
+        match self {
+            EntryRef::Slot(e) => std::ops::Deref::deref(e),
+            EntryRef::Owned(e) => e,
+        }
+    }
+}
+
 /// A slow allocation in flight on a stream, from the moment it found the
 /// stream's entry until it has counted itself there (or failed): while it
 /// lives the entry is not forgotten, even if the stream is retired
@@ -421,6 +440,21 @@ impl<'a> AllocInFlight<'a> {
         }
         st.allocating += 1;
         Ok((AllocInFlight { entry }, st.clock.clone()))
+    }
+
+    /// [`mark`](Self::mark) under the stream's lock, already held, and
+    /// found not retired; the caller turns it into an `AllocInFlight`
+    /// with [`adopt`](Self::adopt).
+    #[inline(always)]
+    pub fn mark_held(st: &mut StreamState) -> VectorClock {
+        debug_assert!(!st.retired, "a retired stream is refused");
+        st.allocating += 1;
+        st.clock.clone()
+    }
+
+    /// The allocation marked by [`mark_held`](Self::mark_held) on `entry`.
+    pub fn adopt(entry: &'a StreamEntry) -> Self {
+        AllocInFlight { entry }
     }
 
     /// The allocation is done: `count` runs on the stream's state under
@@ -966,6 +1000,30 @@ impl<D: Device> StreamOrder<D> {
     #[inline(never)]
     pub fn recent_entry(&self, stream: Stream) -> Option<Arc<StreamEntry>> {
         recent_entries::get(self.pool, stream.id())
+    }
+
+    /// [`entry`](Self::entry), borrowed from the stream's slot where it
+    /// has one: no reference count taken and dropped (two atomic
+    /// read-modify-writes on every slow allocation).
+    #[inline]
+    pub fn entry_ref(&self, stream: Stream) -> Result<EntryRef<'_>, PoolError> {
+        let id = stream.id();
+        if let Some(e) = self.direct.get(id) {
+            if e.id == id && !e.forgotten.load(Ordering::Acquire) {
+                return Ok(EntryRef::Slot(e));
+            }
+        }
+        self.entry(stream).map(EntryRef::Owned)
+    }
+
+    /// The entry in `stream`'s slot, for an allocation marked in flight on
+    /// it (which keeps it from being forgotten).
+    pub fn slot_entry_ref(&self, stream: Stream) -> EntryRef<'_> {
+        let e = self.direct.get(stream.id());
+        EntryRef::Slot(
+            e.filter(|e| e.id == stream.id())
+                .expect("the stream's slot entry"),
+        )
     }
 
     /// The pool's state for `stream`, created on first use. Ids are never

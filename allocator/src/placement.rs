@@ -815,7 +815,7 @@ pub(crate) fn fit(
     let zone = st.zone(len);
     if st.first_fit(len) {
         let (off, at) = st.first_window_at(len, me, clock, reuse)?;
-        if !st.arena.page_span(off, len).all(|p| st.arena.is_active(p)) {
+        if !st.arena.span_active(off, len) {
             return None;
         }
         st.arena.take_in_window(off, len, at);

@@ -399,8 +399,9 @@ impl<D: Device> MemPool<D> {
         // large, errors, capture) is the slow path's, from the start.
         let checked = match self.inner.alloc_hit(size, stream) {
             Hit::Block { offset } => return Ok(self.allocation_at(offset, size, stream)),
-            Hit::Miss => true,
-            Hit::Other => false,
+            Hit::Miss => Checked::Yes,
+            Hit::Marked(clock) => Checked::Marked(clock),
+            Hit::Other => Checked::No,
         };
         self.alloc_slow(size, stream, serve_capture, checked)
     }
@@ -414,9 +415,10 @@ impl<D: Device> MemPool<D> {
     /// Everything but a hit in the stream's own cache found through this
     /// thread's recent entries: graph memory for a capturing stream, the
     /// table lookup, a block another stream freed before an event this
-    /// stream waited on, and the reuse policy's steps. `checked`: the fast
-    /// path already found the stream running its work and its cache
-    /// without a block of this size.
+    /// stream waited on, and the reuse policy's steps. `checked`: whether
+    /// the fast path already found the stream running its work and its
+    /// cache without a block of this size (and marked the allocation in
+    /// flight on the stream's slot).
     #[cold]
     #[inline(never)]
     fn alloc_slow(
@@ -424,9 +426,16 @@ impl<D: Device> MemPool<D> {
         size: usize,
         stream: Stream,
         serve_capture: bool,
-        checked: bool,
+        checked: Checked,
     ) -> Result<Allocation, PoolError> {
         let inner = &*self.inner;
+        let (checked, marked) = match checked {
+            Checked::No => (false, None),
+            Checked::Yes => (true, None),
+            Checked::Marked(clock) => (true, Some(clock)),
+        };
+        // Marked only for a size the fast path takes: 1 ..= va_size.
+        debug_assert!(marked.is_none() || (1..=inner.va_size).contains(&size));
         if size == 0 {
             // No memory, but the stream is named all the same: refuse a
             // destroyed stream or another device's as for any size.
@@ -459,10 +468,22 @@ impl<D: Device> MemPool<D> {
             // No capture check, but still no destroyed or foreign stream.
             inner.device.check_stream(stream)?;
         }
-        let entry = inner.order.entry(stream)?;
         // A retire racing this allocation cannot have the entry forgotten
         // (its counters folded) before the allocation is counted there.
-        let (in_flight, clock) = crate::ordering::AllocInFlight::mark(&entry, stream)?;
+        let (entry, in_flight, clock);
+        match marked {
+            Some(c) => {
+                // Marked by the fast path on the slot's entry, which a
+                // mark keeps from being forgotten: the same entry.
+                entry = inner.order.slot_entry_ref(stream);
+                in_flight = crate::ordering::AllocInFlight::adopt(&entry);
+                clock = c;
+            }
+            None => {
+                entry = inner.order.entry_ref(stream)?;
+                (in_flight, clock) = crate::ordering::AllocInFlight::mark(&entry, stream)?;
+            }
+        }
         if !checked {
             if let Some(offset) = inner.take_cached(&entry, stream, size, len)? {
                 return Ok(self.allocation_at(offset, size, stream));
@@ -1130,9 +1151,23 @@ enum Hit {
     /// The stream runs its work, is not retired, and its cache has no
     /// block of the size: the slow path need not ask again.
     Miss,
+    /// [`Hit::Miss`] on the entry in the stream's slot, with the
+    /// allocation marked in flight there under the same lock (see
+    /// `AllocInFlight`), and what the stream has waited on.
+    Marked(VectorClock),
     /// Anything else (size 0 or too large, the entry not at hand, a
     /// stream that is captured, destroyed or retired): nothing was done.
     Other,
+}
+
+/// What the slow path of an allocation may skip after the fast path.
+enum Checked {
+    /// Nothing: it asks from the start.
+    No,
+    /// [`Hit::Miss`]: the stream runs its work, its cache has no block.
+    Yes,
+    /// [`Hit::Marked`].
+    Marked(VectorClock),
 }
 
 impl<D: Device> PoolInner<D> {
@@ -1162,7 +1197,7 @@ impl<D: Device> PoolInner<D> {
         // `as_deref`: an `Option<&Arc<_>>` already in std, a clone under loom.
         #[allow(clippy::needless_option_as_deref)]
         match self.order.direct_entry(stream).as_deref() {
-            Some(e) => self.alloc_on(e, stream, size, len, check),
+            Some(e) => self.alloc_on::<true>(e, stream, size, len, check),
             None => self.alloc_on_recent(stream, size, len, check),
         }
     }
@@ -1171,14 +1206,17 @@ impl<D: Device> PoolInner<D> {
     #[inline(never)]
     fn alloc_on_recent(&self, stream: Stream, size: usize, len: usize, check: bool) -> Hit {
         match self.order.recent_entry(stream) {
-            Some(e) => self.alloc_on(&e, stream, size, len, check),
+            Some(e) => self.alloc_on::<false>(&e, stream, size, len, check),
             None => Hit::Other,
         }
     }
 
-    /// [`PoolInner::alloc_hit`] on the stream's entry.
+    /// [`PoolInner::alloc_hit`] on the stream's entry. `MARK`: the entry
+    /// is the one in the stream's slot, and a miss marks the allocation
+    /// in flight there under the lock already held ([`Hit::Marked`]), so
+    /// that the slow path does not lock the stream again to do it.
     #[inline(always)]
-    fn alloc_on(
+    fn alloc_on<const MARK: bool>(
         &self,
         e: &StreamEntry,
         stream: Stream,
@@ -1194,6 +1232,9 @@ impl<D: Device> PoolInner<D> {
             return Hit::Other;
         }
         let Some(block) = st.cache.pop(len) else {
+            if MARK {
+                return Hit::Marked(crate::ordering::AllocInFlight::mark_held(&mut st));
+            }
             return Hit::Miss;
         };
         st.cached_bytes -= len;
@@ -1764,5 +1805,47 @@ mod tests {
         let k2 = dev.create_stream().unwrap();
         pool.free_async(kept, k2).unwrap();
         assert_eq!(pool.stats().used_current, 0);
+    }
+
+    /// An allocation that the fast path found no cached block for is
+    /// marked in flight by the fast path and ended by the slow path: once
+    /// done, nothing keeps the retired stream's entry from being
+    /// forgotten.
+    #[test]
+    fn a_stream_whose_fast_path_missed_is_forgotten_once_retired() {
+        crate::sync::model(fast_path_missed_body);
+    }
+
+    fn fast_path_missed_body() {
+        let dev = Arc::new(HostDevice::with_config(HostConfig {
+            capacity: 16 << 20,
+            granularity: 2 << 20,
+        }));
+        let pool = MemPool::new(dev.clone(), PoolConfig::default().with_va_size(64 << 20)).unwrap();
+        let order = &pool.inner.order;
+        let keep = dev.create_stream().unwrap();
+        let kept = pool.alloc_async(4096, keep).unwrap();
+        for round in 0..40 {
+            let s = dev.create_stream().unwrap();
+            // The first allocation makes the stream's entry (and slot);
+            // the second, of a size the cache does not hold, misses on
+            // the fast path and is served by the slow path.
+            let a = pool.alloc_async(4096, s).unwrap();
+            let b = pool.alloc_async(8192, s).unwrap();
+            pool.free_async(a, s).unwrap();
+            pool.free_async(b, s).unwrap();
+            pool.retire_stream(s).unwrap();
+            pool.synchronize_stream(keep).unwrap();
+            dev.synchronize_stream(s).unwrap();
+            pool.trim_to(u64::MAX).unwrap();
+            assert!(
+                order.table_len() <= 3,
+                "round {round}: {} entries kept",
+                order.table_len()
+            );
+        }
+        let stats = pool.stats();
+        assert_eq!((stats.allocs, stats.frees), (81, 80));
+        pool.free_async(kept, keep).unwrap();
     }
 }
