@@ -121,6 +121,62 @@ impl ArenaState {
         !self.arena.any_pending() || self.arena.page_guards_all(p, |g| self.is_complete(g))
     }
 
+    /// Whether the ghost mapping over page `p` is held by a guard not
+    /// known complete (see [`Arena::hold_mapping`]): it may be neither
+    /// unmapped nor reactivated yet.
+    pub fn held(&self, p: usize) -> bool {
+        self.arena.any_held()
+            && self
+                .arena
+                .mapping_base(p)
+                .and_then(|b| self.arena.hold(b))
+                .is_some_and(|g| !self.is_complete(g))
+    }
+
+    /// Whether any page of `[start, start + len)` is [`held`](Self::held).
+    pub fn window_held(&self, start: usize, len: usize) -> bool {
+        self.arena.any_held() && self.arena.page_span(start, len).any(|p| self.held(p))
+    }
+
+    /// Whether some mapping of physical unit `i` is held by a guard not
+    /// known complete (so `i` may not be released).
+    pub fn phys_held(&self, i: usize) -> bool {
+        self.arena.any_held() && self.arena.mappings(i).iter().any(|&b| self.held(b))
+    }
+
+    /// Forget the holds whose guards are known complete.
+    pub fn drop_complete_holds(&mut self) {
+        if self.arena.any_held() {
+            let done = &self.done;
+            self.arena.drop_holds(|g| done.is_complete(g));
+        }
+    }
+
+    /// Whether every free byte of idle page `p` is free under a guard
+    /// known complete or pending on one stream only, whose frees `m`'s
+    /// stream may reuse now (its own, or ones it is ordered after), some
+    /// of them pending: memory that stream may use at another address,
+    /// but which may not be unmapped yet. The guard covering them all, if
+    /// so.
+    pub fn page_pending_for(&self, p: usize, m: &Mover<'_>) -> Option<Guard> {
+        let mut found: Option<(u64, u64)> = None;
+        let ok = self.arena.page_guards_all(p, |g| match g {
+            _ if self.is_complete(g) => true,
+            Guard::After { stream, epoch } => {
+                if found.is_some_and(|(s, _)| s != stream)
+                    || self.classify(g, m.me, m.clock, m.reuse).is_none()
+                {
+                    return false;
+                }
+                found = Some((stream, found.map_or(epoch, |(_, e)| e.max(epoch))));
+                true
+            }
+            Guard::Complete => true,
+        });
+        let (stream, epoch) = found.filter(|_| ok)?;
+        Some(Guard::After { stream, epoch })
+    }
+
     /// Whether physical unit `i` is active somewhere with no block in use
     /// and every free byte on all of its pages known complete: only then
     /// may it be unmapped, moved or released (always whole).
@@ -384,8 +440,7 @@ fn paged_best_window(
     let resolve = |ts: &mut [u8], first: usize| {
         for (t, p) in ts.iter_mut().zip(first..) {
             if *t & GHOST != 0 {
-                let phys = st.arena.mapping_at(p).expect("a ghost is mapped");
-                *t = if ghost_phys_available(st, phys, any_pending) {
+                *t = if ghost_available_with(st, p, any_pending) {
                     HOLE
                 } else {
                     HOLE | BIND | OVER_GHOST
@@ -515,7 +570,38 @@ fn usable_spans(
             _ => spans.push((lo, hi)),
         }
     }
+    if st.arena.any_held() {
+        cut_held(st, &mut spans);
+    }
     spans
+}
+
+/// Cut out of `spans` (address order, disjoint) the pages of every held
+/// ghost mapping whose guard is not known complete: no window may bind
+/// over such a mapping (it would be unmapped while work may touch it).
+fn cut_held(st: &ArenaState, spans: &mut Vec<(usize, usize)>) {
+    let page = st.arena.page();
+    for (b, g) in st.arena.holds() {
+        if st.is_complete(g) {
+            continue;
+        }
+        let k = st.arena.mapping_at(b).map_or(1, |i| st.arena.unit_pages(i));
+        let (hl, hr) = (b * page, (b + k) * page);
+        let mut out = Vec::with_capacity(spans.len() + 1);
+        for &(l, r) in spans.iter() {
+            if r <= hl || l >= hr {
+                out.push((l, r));
+                continue;
+            }
+            if l < hl {
+                out.push((l, hl));
+            }
+            if r > hr {
+                out.push((hr, r));
+            }
+        }
+        *spans = out;
+    }
 }
 
 /// How many binds a ghost mapping unmapped by a bind of a huge block
@@ -651,6 +737,9 @@ pub(crate) fn hole_window(
             continue;
         }
         for start in [left, right - len] {
+            if st.window_held(start, len) {
+                continue;
+            }
             let lo = start.max(ho);
             let hi = (start + len).min(ho + hl);
             let (mut need, mut driver) = (0, 0);
@@ -687,6 +776,7 @@ fn ghost_available_with(st: &State<'_>, p: usize, any_pending: bool) -> bool {
     st.arena
         .mapping_at(p)
         .is_some_and(|phys| ghost_phys_available(st, phys, any_pending))
+        && !st.held(p)
 }
 
 /// [`ghost_available_with`] for a ghost of physical unit `phys`.
@@ -772,6 +862,56 @@ pub(crate) fn pick_victims(
         }
         done += chunk;
     }
+}
+
+/// The allocating stream, what it waited for and the reuse switches: to
+/// whom pages with frees still pending may move (see
+/// [`ArenaState::page_pending_for`]).
+pub(crate) struct Mover<'c> {
+    pub me: u64,
+    pub clock: &'c VectorClock,
+    pub reuse: ReusePolicy,
+}
+
+/// Idle single pages outside `exclude` whose free bytes are all complete
+/// or pending on one stream whose frees `m`'s stream may reuse now, with
+/// the guard covering them (see [`ArenaState::page_pending_for`]): pages
+/// that stream may use at another address by stream order, taken only
+/// where the pool would grow otherwise. The same order as [`pick_victims`]: pages with no
+/// mapping in zone `zone` first, then those idle the longest. At most
+/// `want`; they replace what `out` held.
+pub(crate) fn pick_pending_victims(
+    st: &ArenaState,
+    exclude: &std::ops::RangeInclusive<usize>,
+    zone: usize,
+    want: usize,
+    m: &Mover<'_>,
+    out: &mut Vec<(usize, Guard)>,
+) {
+    out.clear();
+    if want == 0 || !st.arena.any_pending() {
+        return;
+    }
+    let page = st.arena.page();
+    let zone_pages = st.bounds[zone] / page..st.bounds[zone + 1] / page;
+    let mut found: Vec<(bool, u64, usize, Guard)> = Vec::new();
+    for p in st.arena.idle_pages().filter(|p| !exclude.contains(p)) {
+        let phys = st.arena.mapping_at(p).expect("idle page is mapped");
+        if st.arena.unit_pages(phys) > 1 {
+            continue;
+        }
+        let Some(g) = st.page_pending_for(p, m) else {
+            continue;
+        };
+        let in_zone = st
+            .arena
+            .mappings(phys)
+            .iter()
+            .any(|q| zone_pages.contains(q));
+        found.push((in_zone, st.arena.idle_since(p), p, g));
+    }
+    found.sort_unstable_by_key(|f| (f.0, f.1, f.2));
+    out.extend(found.into_iter().take(want).map(|f| (f.2, f.3)));
 }
 
 /// Units of several pages that may move or be released now, whole:
@@ -892,6 +1032,9 @@ pub(crate) struct MapScratch {
     pub pool: Vec<usize>,
     /// Where each moved page was active (tracing only).
     pub moved_from: Vec<(usize, usize)>,
+    /// Physical pages moved while frees on them were pending on the
+    /// allocating stream: (unit, page it was active at, guard).
+    pub moved_pending: Vec<(usize, usize, Guard)>,
     /// See `rebind_singles` (page mapping).
     pub rebind: RebindScratch,
     pub plan: Plan,
@@ -915,6 +1058,9 @@ pub(crate) struct Plan {
     pub spare_used: usize,
     /// Completed idle single pages moved here.
     pub victims: Vec<usize>,
+    /// Idle single pages with frees pending on the allocating stream
+    /// moved here, where growth is the alternative: (page, guard).
+    pub pending: Vec<(usize, Guard)>,
     /// The target pages of the spare and moved single pages, in order.
     pub singles: Vec<usize>,
     /// Free units released to make room for growth.
@@ -933,6 +1079,7 @@ impl Plan {
         self.moves.clear();
         self.spare_used = 0;
         self.victims.clear();
+        self.pending.clear();
         self.singles.clear();
         self.release.clear();
         self.missing.clear();
