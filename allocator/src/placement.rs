@@ -823,11 +823,22 @@ pub(crate) fn ghost_available_for(
     any_pending: bool,
     mover: Option<&Mover<'_>>,
 ) -> bool {
-    if ghost_available_with(st, p, any_pending) {
+    let Some(phys) = st.arena.mapping_at(p) else {
+        return false;
+    };
+    let held = st.arena.any_held();
+    let free = match st.arena.owner_and_pages(phys) {
+        (None, _) => true,
+        // In use where it is (the common case): neither way comes back.
+        (Some(q), 1) if st.arena.users(q) > 0 => return false,
+        (Some(q), 1) => !any_pending || st.arena.page_guards_all(q, |g| st.is_complete(g)),
+        (Some(_), _) => st.unit_free(phys),
+    };
+    if free && !(held && st.held(p)) {
         return true;
     }
     match mover {
-        Some(m) if any_pending || st.arena.any_held() => st.rebind_guard_for(p, m).is_some(),
+        Some(m) if any_pending || held => st.rebind_guard_for(p, m).is_some(),
         _ => false,
     }
 }
@@ -1113,8 +1124,8 @@ pub(crate) struct MapScratch {
     pub pool: Vec<usize>,
     /// Where each moved page was active (tracing only).
     pub moved_from: Vec<(usize, usize)>,
-    /// Physical pages moved while frees on them were pending on the
-    /// allocating stream: (unit, page it was active at, guard).
+    /// Physical pages moved while frees on them were pending (ordered
+    /// before the allocating stream): (unit, page it was active at, guard).
     pub moved_pending: Vec<(usize, usize, Guard)>,
     /// See `rebind_singles` (page mapping).
     pub rebind: RebindScratch,
