@@ -5,9 +5,13 @@
 //! arena's books; trimming releases spare and completed idle pages; the
 //! pool's drop unmaps and releases everything.
 //!
-//! Map, unmap and release act at once, not in stream order: every page
-//! touched here is idle and known complete (the callers' guarantee, checked
-//! through `placement`'s `page_complete`), or new.
+//! Map, unmap and release act at once, not in stream order: every mapping
+//! unmapped and every page released here is idle and known complete (the
+//! callers' guarantee, checked through `placement`'s `page_complete` and
+//! `held`), or new. A page whose frees are pending but ordered before the
+//! allocating stream may be mapped at a new place (where growth is the
+//! alternative): its old mapping stays, held by the frees' guard, and its
+//! bytes there keep that guard.
 //!
 //! Physical memory comes as single pages or, for large blocks where the
 //! configuration asks for it, as *units*: one handle over several
