@@ -15,7 +15,11 @@
 //! with no driver call at all. A training loop moves the same pages between
 //! the same places every step, and after the first step pays nothing for it.
 //! Only the active mapping of a page is ever handed out, so two live blocks
-//! never share physical memory.
+//! never share physical memory. A ghost left by a page that moved while
+//! frees on it were pending is *held* by their guard: work may still touch
+//! the page there, so before the guard is complete it is not unmapped,
+//! and reactivated only for a stream ordered after those frees (the page
+//! mapper's checks; see `hold_mapping`).
 //! This module is bookkeeping only; the device calls are made by the policy.
 
 use crate::ordmap::{OrdMap, Pos};
@@ -777,6 +781,15 @@ pub(crate) struct Arena {
     settle_scratch: Vec<(usize, Guard, Guard)>,
     /// Reused by `give_back_stream`: (start, length, epoch) of each block.
     batch_scratch: Vec<(usize, usize, u64)>,
+    /// Ghost mappings that work still pending may touch: first page of
+    /// the mapping to the guard of the frees its page had when it moved
+    /// (see [`Arena::hold_mapping`]).
+    holds: std::collections::BTreeMap<usize, Guard>,
+    /// Pages moved while frees on them were pending.
+    pending_moves: u64,
+    /// Unmaps of a held mapping whose guard was not known complete (a
+    /// broken rule; always 0).
+    pending_unmaps: u64,
     reserved: u64,
     reserved_high: u64,
     growths: u64,
@@ -812,6 +825,9 @@ impl Arena {
             pending: PendingIndex::default(),
             settle_scratch: Vec::new(),
             batch_scratch: Vec::new(),
+            holds: std::collections::BTreeMap::new(),
+            pending_moves: 0,
+            pending_unmaps: 0,
             reserved: 0,
             reserved_high: 0,
             growths: 0,
@@ -924,6 +940,7 @@ impl Arena {
         self.phys.clear();
         self.multi_units = 0;
         self.spare.clear();
+        self.holds.clear();
     }
 
     /// Take a physical page or unit that is active nowhere.
@@ -1965,7 +1982,62 @@ impl Arena {
             self.mapped.remove(q);
         }
         self.phys[phys].mappings.retain(|&q| q != base);
+        if !self.holds.is_empty() {
+            self.holds.remove(&base);
+        }
         phys
+    }
+
+    /// The ghost mapping whose first page is `base` may still be touched
+    /// by device work that `guard` covers: the frees on its page were
+    /// pending (ordered before the stream that moved the page) when it
+    /// moved. Such a mapping must not be unmapped before the guard is
+    /// complete, nor its page reactivated there for a stream not ordered
+    /// after it; the page mapper checks [`Arena::hold`] first.
+    pub fn hold_mapping(&mut self, base: usize, guard: Guard) {
+        debug_assert!(!self.pages[base].active, "holding an active mapping");
+        debug_assert_eq!(self.mapping_base(base), Some(base));
+        self.holds.insert(base, guard);
+        self.pending_moves += 1;
+    }
+
+    /// The guard held on the mapping whose first page is `base`, if any
+    /// (complete or not: the caller knows what completed).
+    pub fn hold(&self, base: usize) -> Option<Guard> {
+        if self.holds.is_empty() {
+            return None;
+        }
+        self.holds.get(&base).copied()
+    }
+
+    /// Whether any mapping is held.
+    pub fn any_held(&self) -> bool {
+        !self.holds.is_empty()
+    }
+
+    /// The held mappings: (first page, guard), in address order.
+    pub fn holds(&self) -> impl Iterator<Item = (usize, Guard)> + '_ {
+        self.holds.iter().map(|(&b, &g)| (b, g))
+    }
+
+    /// Drop the holds for which `complete` says the guard is complete.
+    pub fn drop_holds(&mut self, mut complete: impl FnMut(Guard) -> bool) {
+        self.holds.retain(|_, g| !complete(*g));
+    }
+
+    /// Pages moved while frees on them were pending.
+    pub fn pending_moves(&self) -> u64 {
+        self.pending_moves
+    }
+
+    /// Unmaps that hit a held mapping whose guard was not known complete.
+    pub fn pending_unmaps(&self) -> u64 {
+        self.pending_unmaps
+    }
+
+    /// Count an unmap of a held mapping whose guard was not known complete.
+    pub fn count_pending_unmap(&mut self) {
+        self.pending_unmaps += 1;
     }
 
     /// The holes (`None`) and free ranges (`Some(guard)`) that overlap
@@ -2251,6 +2323,14 @@ impl Arena {
     /// becomes active there: its bytes become free ranges with nothing
     /// pending.
     pub fn activate(&mut self, p: usize, phys: usize) {
+        self.activate_guarded(p, phys, Guard::Complete);
+    }
+
+    /// [`activate`](Self::activate), its bytes free under `guard`: the
+    /// physical page comes from a place where frees covered by `guard`
+    /// may still be pending, and only what may reuse those may reuse it
+    /// here. A hold on the mapping at `p` is dropped (it is active again).
+    pub fn activate_guarded(&mut self, p: usize, phys: usize, guard: Guard) {
         assert!(
             self.phys[phys].mappings.contains(&p),
             "activating an unmapped page"
@@ -2267,8 +2347,11 @@ impl Arena {
                 "activating an unmapped page"
             );
         }
-        self.activate_pages(p, k);
+        self.activate_pages(p, k, guard);
         self.phys[phys].owner = Some(p);
+        if !self.holds.is_empty() {
+            self.holds.remove(&p);
+        }
     }
 
     /// Single physical pages `phys[i]`, each already mapped at page
@@ -2281,15 +2364,20 @@ impl Arena {
             assert!(self.phys[i].owner.is_none(), "physical page active twice");
             assert_eq!(self.pages[q].mapped, Some(i), "activating an unmapped page");
         }
-        self.activate_pages(p, phys.len());
+        self.activate_pages(p, phys.len(), Guard::Complete);
         for (q, &i) in (p..).zip(phys) {
             self.phys[i].owner = Some(q);
+        }
+        if !self.holds.is_empty() {
+            for q in p..p + phys.len() {
+                self.holds.remove(&q);
+            }
         }
     }
 
     /// Pages `p..p + n`, mapped holes, become active: their bytes become
-    /// one free range with nothing pending (merged with its neighbours).
-    fn activate_pages(&mut self, p: usize, n: usize) {
+    /// one free range under `guard` (merged with its neighbours).
+    fn activate_pages(&mut self, p: usize, n: usize, guard: Guard) {
         let (ps, pe) = (p * self.page, (p + n) * self.page);
         let (ho, &hl) = self.holes.last_le(&ps).expect("mapped page lies in a hole");
         assert!(ho + hl >= pe, "mapped page lies in a hole");
@@ -2313,7 +2401,7 @@ impl Arena {
             self.idle_clock += 1;
         }
         self.run_add(ps, pe - ps);
-        self.insert_free(ps, pe - ps, Guard::Complete, &mut |_| 0);
+        self.insert_free(ps, pe - ps, guard, &mut |_| 0);
     }
 
     /// The unit active at page `p` (its first page), idle on every page,
@@ -2585,6 +2673,10 @@ impl Arena {
             );
             let idle = slot.active && self.users[p] == 0;
             assert_eq!(self.idle.contains(p), idle, "idle set wrong at page {p}");
+        }
+        for &b in self.holds.keys() {
+            assert_eq!(self.mapping_base(b), Some(b), "a hold on no mapping");
+            assert!(!self.pages[b].active, "a hold on an active mapping");
         }
     }
 

@@ -875,6 +875,16 @@ impl<D: Device> MemPool<D> {
         }
     }
 
+    /// Two counters of how pages move while frees on them are pending on
+    /// the allocating stream, for tests and the trace replayer: pages so
+    /// moved, and unmaps of a place such a page moved from made while its
+    /// frees were not known complete (a broken rule: always 0).
+    #[doc(hidden)]
+    pub fn pending_move_counts(&self) -> (u64, u64) {
+        let st = lock(&self.inner.arena);
+        (st.arena.pending_moves(), st.arena.pending_unmaps())
+    }
+
     /// Reset the high-water marks to the current values.
     pub fn reset_peaks(&self) {
         let inner = &*self.inner;

@@ -14,7 +14,8 @@
 //! window holding no live block and no such pending free. When `a`
 //! completes (synchronised, settled by a trim), `b` gets that lowest
 //! window again (while no page has moved), now counting the frees as
-//! free, with no growth when it lies inside them; after every free, a
+//! free, with no growth when it lies inside them (while no page has moved
+//! out of a pending free in the round); after every free, a
 //! synchronise and `trim_to(0)`, nothing is used or reserved. With a
 //! stream cache, `a`'s cached frees reach the arena in batches (several
 //! epochs each) by its own slow allocations and by trims.
@@ -301,6 +302,7 @@ impl Harness {
     /// One round: `a` held busy for `ops` operations, then released and
     /// synchronised; every byte it freed must then be `b`'s to take.
     fn round(&mut self, rng: &mut Rng, ops: usize, step: &mut usize) {
+        let moves_before = self.pool.pending_move_counts().0;
         let mut hold = Blocker::on(&*self.dev, self.a);
         for i in 0..ops {
             *step += 1;
@@ -368,13 +370,15 @@ impl Harness {
             .collect();
         // Longest first. A block placed inside a range just completed
         // lies on pages that were mapped for it: the pool must not grow
-        // for it.
+        // for it, unless `a` moved pages out of its pending frees this
+        // round (to grow less itself), which leaves holes in them.
+        let moved = self.pool.pending_move_counts().0 != moves_before;
         freed.sort_by_key(|&(q, e)| (std::cmp::Reverse(e - q), q));
         for &(q, e) in freed.iter().take(3) {
             let growths = self.pool.stats().growths;
             let len = e - q;
             let got = self.alloc(len as usize, false, *step);
-            if self.model && freed.iter().any(|&(q, e)| q <= got && got + len <= e) {
+            if self.model && !moved && freed.iter().any(|&(q, e)| q <= got && got + len <= e) {
                 self.inside += 1;
                 assert_eq!(
                     self.pool.stats().growths,
@@ -442,7 +446,10 @@ fn moving_ends(cache: usize, seeds: std::ops::Range<u64>) {
 
 #[test]
 fn pending_frees_whose_ends_move_complete_whole_without_a_cache() {
-    moving_ends(0, 1..41);
+    // Placements are checked while no page has moved; pages pending on
+    // `a` move when it would grow otherwise, which ends a seed's checks
+    // sooner: more seeds keep the count of checks up.
+    moving_ends(0, 1..81);
 }
 
 #[test]

@@ -465,16 +465,18 @@ fn defragmentation_avoids_false_out_of_memory() {
     }
 }
 
-/// Rule: stitching only moves pages whose frees are complete: with the
-/// freeing stream busy, the same checkerboard cannot be stitched (OOM
-/// with no host wait), the pending work still finds its memory; once it is
-/// done the request succeeds.
-/// Catches: a stitcher that takes pages with pending frees.
+/// Rule: stitching moves pages whose frees are pending only to a stream
+/// ordered after those frees: with the freeing stream busy and another
+/// stream not waiting for it (no internal dependency, no host wait), the
+/// same checkerboard cannot be stitched (OOM), the pending work still
+/// finds its memory; once it is done the request succeeds.
+/// Catches: a stitcher that takes pages with pending frees for any stream.
 #[test]
 fn defragmentation_never_moves_pending_frees() {
     let dev = Arc::new(host());
     let reuse = ReusePolicy {
         wait_for_pending_frees: false,
+        internal_dependencies: false,
         ..ReusePolicy::default()
     };
     let pool = pool(

@@ -152,11 +152,14 @@ impl<D: Device> ReplayAllocator for TidepoolAlloc<D> {
 
     fn counters(&self) -> Vec<(&'static str, u64)> {
         let s = self.pool.stats();
+        let (moves, unsafe_unmaps) = self.pool.pending_move_counts();
         vec![
             ("remaps", s.remaps),
             ("rebinds", s.rebinds),
             ("growths", s.growths),
             ("cache_hits", s.cache_hits),
+            ("pending_moves", moves),
+            ("pending_unmaps", unsafe_unmaps),
         ]
     }
 
