@@ -15,7 +15,11 @@
 //! with no driver call at all. A training loop moves the same pages between
 //! the same places every step, and after the first step pays nothing for it.
 //! Only the active mapping of a page is ever handed out, so two live blocks
-//! never share physical memory.
+//! never share physical memory. A ghost left by a page that moved while
+//! frees on it were pending is *held* by their guard: work may still touch
+//! the page there, so before the guard is complete it is not unmapped,
+//! and reactivated only for a stream ordered after those frees (the page
+//! mapper's checks; see `hold_mapping`).
 //! This module is bookkeeping only; the device calls are made by the policy.
 
 use crate::ordmap::{OrdMap, Pos};
@@ -1955,10 +1959,10 @@ impl Arena {
 
     /// The ghost mapping whose first page is `base` may still be touched
     /// by device work that `guard` covers: the frees on its page were
-    /// pending (on the stream that moved the page) when it moved. Such a
-    /// mapping must not be unmapped, nor its page reactivated there,
-    /// before the guard is complete; the page mapper checks
-    /// [`Arena::hold`] first.
+    /// pending (ordered before the stream that moved the page) when it
+    /// moved. Such a mapping must not be unmapped before the guard is
+    /// complete, nor its page reactivated there for a stream not ordered
+    /// after it; the page mapper checks [`Arena::hold`] first.
     pub fn hold_mapping(&mut self, base: usize, guard: Guard) {
         debug_assert!(!self.pages[base].active, "holding an active mapping");
         debug_assert_eq!(self.mapping_base(base), Some(base));

@@ -5,9 +5,13 @@
 //! arena's books; trimming releases spare and completed idle pages; the
 //! pool's drop unmaps and releases everything.
 //!
-//! Map, unmap and release act at once, not in stream order: every page
-//! touched here is idle and known complete (the callers' guarantee, checked
-//! through `placement`'s `page_complete`), or new.
+//! Map, unmap and release act at once, not in stream order: every mapping
+//! unmapped and every page released here is idle and known complete (the
+//! callers' guarantee, checked through `placement`'s `page_complete` and
+//! `held`), or new. A page whose frees are pending but ordered before the
+//! allocating stream may be mapped at a new place (where growth is the
+//! alternative): its old mapping stays, held by the frees' guard, and its
+//! bytes there keep that guard.
 //!
 //! Physical memory comes as single pages or, for large blocks where the
 //! configuration asks for it, as *units*: one handle over several
@@ -73,6 +77,31 @@ impl<D: Device> Pages<'_, D> {
         reuse: ReusePolicy,
     ) -> Result<usize, MapFailure> {
         st.drop_complete_holds();
+        st.rebind_held = true;
+        match self.map_any_with(st, len, me, clock, reuse) {
+            Err(MapFailure::Device(e)) => Err(MapFailure::Device(e)),
+            Err(_) if st.arena.any_held() => {
+                // A window chosen over held ghosts that could come back
+                // may still need one bound over (its page wanted inside
+                // the window too): again, with held ghosts as obstacles.
+                st.rebind_held = false;
+                let r = self.map_any_with(st, len, me, clock, reuse);
+                st.rebind_held = true;
+                r
+            }
+            r => r,
+        }
+    }
+
+    /// [`Pages::map_any`], once.
+    fn map_any_with(
+        &self,
+        st: &mut State<'_>,
+        len: usize,
+        me: u64,
+        clock: &VectorClock,
+        reuse: ReusePolicy,
+    ) -> Result<usize, MapFailure> {
         let first = match self.map_window(st, len, me, clock, reuse, false) {
             Ok(off) => return Ok(off),
             Err(MapFailure::Device(e)) => return Err(MapFailure::Device(e)),
@@ -138,16 +167,18 @@ impl<D: Device> Pages<'_, D> {
             match s.first_window_for(len, me, clock, reuse) {
                 // A window over a held ghost mapping cannot be bound: the
                 // window with the fewest binds elsewhere in the zone.
-                Some(start) if s.window_held(start, len) => best_window(
-                    st,
-                    len,
-                    st.align(len),
-                    &st.zone(len),
-                    me,
-                    clock,
-                    reuse,
-                    false,
-                ),
+                Some(start) if s.window_held(start, len, &Mover { me, clock, reuse }) => {
+                    best_window(
+                        st,
+                        len,
+                        st.align(len),
+                        &st.zone(len),
+                        me,
+                        clock,
+                        reuse,
+                        false,
+                    )
+                }
                 found => found.map(|start| {
                     let need = (start / page..=(start + len - 1) / page)
                         .filter(|&p| !s.arena.is_active(p))
@@ -204,10 +235,6 @@ impl<D: Device> Pages<'_, D> {
         loosen: bool,
         mover: Option<&Mover<'_>>,
     ) -> Result<usize, MapFailure> {
-        if st.window_held(start, len) {
-            // Binding there would unmap a mapping pending work may touch.
-            return Err(MapFailure::NoWindow);
-        }
         let mut sc = std::mem::take(&mut st.map_scratch);
         let r = self.map_at_with(st, len, start, need, loosen, mover, &mut sc);
         st.map_scratch = sc;
@@ -246,7 +273,7 @@ impl<D: Device> Pages<'_, D> {
                 .is_none_or(|i| st.arena.unit_pages(i) == 1)
         });
         if singles {
-            rebind_singles(st, targets, &block_pages, rest, &mut sc.rebind);
+            rebind_singles(st, targets, &block_pages, rest, mover, &mut sc.rebind);
         }
         // A unit may have ghosts both inside the window and across its
         // edge: it comes back to one of them only, so ghosts wholly inside
@@ -278,6 +305,11 @@ impl<D: Device> Pages<'_, D> {
             take_off_edge_units(st, &block_pages, rest);
         }
         rest.retain(|&p| !st.arena.is_active(p));
+        if st.arena.any_held() && rest.iter().any(|&p| st.held(p)) {
+            // Binding there would unmap a mapping pending work may touch
+            // (what came back stays: free, under its guards).
+            return Err(MapFailure::NoWindow);
+        }
         let unit_max = if len >= self.config.unit_min_block {
             self.unit_pages(page)
         } else {
@@ -795,38 +827,52 @@ fn put_back(st: &mut State<'_>, i: usize, moved_pending: &[(usize, usize, Guard)
 /// per run of consecutive pages; the targets left go to `rest`. A physical
 /// page with a ghost on an earlier target of the block either came back
 /// there or cannot come back at all: in both cases it is not taken again.
+#[allow(clippy::too_many_arguments)]
 fn rebind_singles(
     st: &mut State<'_>,
     targets: &[usize],
     block: &std::ops::RangeInclusive<usize>,
     rest: &mut Vec<usize>,
+    mover: Option<&Mover<'_>>,
     sc: &mut RebindScratch,
 ) {
     let RebindScratch {
         moves,
         owners,
         phys,
+        pending,
     } = sc;
     moves.clear();
     owners.clear();
+    pending.clear();
+    let may_pend = mover.is_some() && (st.arena.any_pending() || st.arena.any_held());
     for &p in targets {
-        match st.arena.mapping_at(p) {
-            Some(phys)
-                if !st
-                    .arena
-                    .mappings(phys)
-                    .iter()
-                    .any(|&b| b < p && block.contains(&b))
-                    && ghost_available(st, p)
-                    && phys_movable(st, phys, block) =>
-            {
-                moves.push((p, phys));
-                match st.arena.owner(phys) {
-                    Some(q) => owners.push(q),
-                    None => st.arena.unspare(phys),
-                }
+        let Some(i) = st.arena.mapping_at(p).filter(|&i| {
+            !st.arena
+                .mappings(i)
+                .iter()
+                .any(|&b| b < p && block.contains(&b))
+                && phys_movable(st, i, block)
+        }) else {
+            rest.push(p);
+            continue;
+        };
+        if ghost_available(st, p) {
+            moves.push((p, i));
+            match st.arena.owner(i) {
+                Some(q) => owners.push(q),
+                None => st.arena.unspare(i),
             }
-            _ => rest.push(p),
+            continue;
+        }
+        // A page whose frees are pending but ordered before the allocating
+        // stream comes back too (after the others, one at a time).
+        match mover
+            .filter(|_| may_pend)
+            .and_then(|m| st.rebind_guard_for(p, m))
+        {
+            Some((back, leave)) => pending.push((p, i, back, leave)),
+            None => rest.push(p),
         }
     }
     owners.sort_unstable();
@@ -840,6 +886,22 @@ fn rebind_singles(
         for _ in run {
             st.arena.count_rebind();
         }
+    }
+    // The place a pending page leaves stays mapped, held by the guard of
+    // its frees there; at `p` its bytes take the guard of every pending
+    // free they carry (there, and on the ghost's hold).
+    for &(p, i, back, leave) in pending.iter() {
+        match st.arena.owner(i) {
+            Some(q) => {
+                st.arena.deactivate(q);
+                if let Some(g) = leave {
+                    st.arena.hold_mapping(q, g);
+                }
+            }
+            None => st.arena.unspare(i),
+        }
+        st.arena.activate_guarded(p, i, back);
+        st.arena.count_rebind();
     }
 }
 

@@ -20,6 +20,11 @@ pub(crate) struct ArenaState {
     victim_runs: Vec<(bool, u64, usize)>,
     /// Scratch space of page mapping (see [`MapScratch`]).
     pub map_scratch: MapScratch,
+    /// Whether a held ghost mapping may come back for a stream ordered
+    /// after its frees (see [`ArenaState::rebind_guard_for`]); page
+    /// mapping turns it off for a second try when a window chosen that
+    /// way could not be had.
+    pub rebind_held: bool,
     /// The zones' bounds in bytes: zone `z` is `bounds[z]..bounds[z + 1]`
     /// (see [`zone_bounds`]). The address space and the page size never
     /// change, so they are worked out once rather than per request.
@@ -50,6 +55,7 @@ impl ArenaState {
             done: Completion::default(),
             victim_runs: Vec::new(),
             map_scratch: MapScratch::default(),
+            rebind_held: true,
             bounds,
         }
     }
@@ -133,9 +139,15 @@ impl ArenaState {
                 .is_some_and(|g| !self.is_complete(g))
     }
 
-    /// Whether any page of `[start, start + len)` is [`held`](Self::held).
-    pub fn window_held(&self, start: usize, len: usize) -> bool {
-        self.arena.any_held() && self.arena.page_span(start, len).any(|p| self.held(p))
+    /// Whether any page of `[start, start + len)` is [`held`](Self::held)
+    /// and may not come back for `m`'s stream (see
+    /// [`ArenaState::rebind_guard_for`]): a window no bind may cover.
+    pub fn window_held(&self, start: usize, len: usize, m: &Mover<'_>) -> bool {
+        self.arena.any_held()
+            && self
+                .arena
+                .page_span(start, len)
+                .any(|p| self.held(p) && self.rebind_guard_for(p, m).is_none())
     }
 
     /// Whether some mapping of physical unit `i` is held by a guard not
@@ -159,22 +171,51 @@ impl ArenaState {
     /// but which may not be unmapped yet. The guard covering them all, if
     /// so.
     pub fn page_pending_for(&self, p: usize, m: &Mover<'_>) -> Option<Guard> {
-        let mut found: Option<(u64, u64)> = None;
-        let ok = self.arena.page_guards_all(p, |g| match g {
-            _ if self.is_complete(g) => true,
-            Guard::After { stream, epoch } => {
-                if found.is_some_and(|(s, _)| s != stream)
-                    || self.classify(g, m.me, m.clock, m.reuse).is_none()
-                {
-                    return false;
-                }
-                found = Some((stream, found.map_or(epoch, |(_, e)| e.max(epoch))));
-                true
-            }
-            Guard::Complete => true,
-        });
-        let (stream, epoch) = found.filter(|_| ok)?;
+        let (stream, epoch) = self.page_guard_for(p, m).ok()??;
         Some(Guard::After { stream, epoch })
+    }
+
+    /// The guards of page `p`'s free bytes as `m`'s stream sees them:
+    /// `Ok(None)` all complete, `Ok(Some((stream, epoch)))` some pending,
+    /// all on that one stream and reusable by `m`'s stream now (the latest
+    /// epoch), `Err(())` otherwise.
+    fn page_guard_for(&self, p: usize, m: &Mover<'_>) -> Result<Option<(u64, u64)>, ()> {
+        let mut found: Option<(u64, u64)> = None;
+        let ok = self
+            .arena
+            .page_guards_all(p, |g| merge_for(self, &mut found, g, m));
+        if ok {
+            Ok(found)
+        } else {
+            Err(())
+        }
+    }
+
+    /// Whether the ghost single page at hole `p` may come back for `m`'s
+    /// stream where it may not for every stream: its page idle where it
+    /// is active (or spare), every free byte there and the hold on the
+    /// ghost complete or pending on one stream whose frees `m`'s stream
+    /// may reuse now. The guard the page's bytes take back at `p`, and
+    /// that of the place it leaves (held there), if so.
+    pub fn rebind_guard_for(&self, p: usize, m: &Mover<'_>) -> Option<(Guard, Option<Guard>)> {
+        let phys = self.arena.mapping_at(p)?;
+        let mut found: Option<(u64, u64)> = None;
+        let leave = match self.arena.owner_and_pages(phys) {
+            (_, k) if k > 1 => return None,
+            (Some(q), _) if self.arena.users(q) > 0 => return None,
+            (Some(q), _) => self.page_guard_for(q, m).ok()?,
+            (None, _) => None,
+        };
+        found = found.or(leave);
+        let base = self.arena.mapping_base(p)?;
+        if let Some(h) = self.arena.hold(base) {
+            if !(self.rebind_held || self.is_complete(h)) || !merge_for(self, &mut found, h, m) {
+                return None;
+            }
+        }
+        let (stream, epoch) = found?;
+        let leave = leave.map(|(stream, epoch)| Guard::After { stream, epoch });
+        Some((Guard::After { stream, epoch }, leave))
     }
 
     /// Whether physical unit `i` is active somewhere with no block in use
@@ -403,6 +444,7 @@ fn paged_best_window(
         ((binds + weight as Sums * over) << (2 * FIELD)) | (((t & HOLE) as Sums) << FIELD) | binds
     });
     let any_pending = st.arena.any_pending();
+    let mover = Mover { me, clock, reuse };
     // Per span: its first and last window start pages, and where its
     // pages' costs begin in `terms`.
     let mut spans: Vec<(usize, usize, usize)> = Vec::new();
@@ -440,7 +482,7 @@ fn paged_best_window(
     let resolve = |ts: &mut [u8], first: usize| {
         for (t, p) in ts.iter_mut().zip(first..) {
             if *t & GHOST != 0 {
-                *t = if ghost_available_with(st, p, any_pending) {
+                *t = if ghost_available_for(st, p, any_pending, Some(&mover)) {
                     HOLE
                 } else {
                     HOLE | BIND | OVER_GHOST
@@ -571,7 +613,7 @@ fn usable_spans(
         }
     }
     if st.arena.any_held() {
-        cut_held(st, &mut spans);
+        cut_held(st, &mut spans, &Mover { me, clock, reuse });
     }
     spans
 }
@@ -579,10 +621,10 @@ fn usable_spans(
 /// Cut out of `spans` (address order, disjoint) the pages of every held
 /// ghost mapping whose guard is not known complete: no window may bind
 /// over such a mapping (it would be unmapped while work may touch it).
-fn cut_held(st: &ArenaState, spans: &mut Vec<(usize, usize)>) {
+fn cut_held(st: &ArenaState, spans: &mut Vec<(usize, usize)>, m: &Mover<'_>) {
     let page = st.arena.page();
     for (b, g) in st.arena.holds() {
-        if st.is_complete(g) {
+        if st.is_complete(g) || st.rebind_guard_for(b, m).is_some() {
             continue;
         }
         let k = st.arena.mapping_at(b).map_or(1, |i| st.arena.unit_pages(i));
@@ -653,6 +695,7 @@ fn each_window(
 ) {
     let page = st.arena.page();
     let spans = usable_spans(st, zone, me, clock, reuse);
+    let (any_pending, mover) = (st.arena.any_pending(), Mover { me, clock, reuse });
     // Per page of a span, prefix sums of binds, of activations and of
     // binds over a ghost mapping.
     let mut binds: Vec<usize> = Vec::new();
@@ -678,7 +721,7 @@ fn each_window(
         lost.push(0);
         for p in p0..=p1 {
             let hole = !st.arena.is_active(p);
-            let bind = hole && !ghost_available(st, p);
+            let bind = hole && !ghost_available_for(st, p, any_pending, Some(&mover));
             binds.push(binds[binds.len() - 1] + bind as usize);
             let over_ghost = bind && st.arena.mapping_at(p).is_some();
             lost.push(lost[lost.len() - 1] + over_ghost as usize);
@@ -723,6 +766,7 @@ pub(crate) fn hole_window(
     reuse: ReusePolicy,
 ) -> Option<(usize, usize, usize)> {
     let page = st.arena.page();
+    let (any_pending, mover) = (st.arena.any_pending(), Mover { me, clock, reuse });
     // (pages needing driver calls, pages to activate, window length, start)
     let mut best: Option<(usize, usize, usize, usize)> = None;
     for (ho, hl) in st.arena.holes() {
@@ -737,7 +781,7 @@ pub(crate) fn hole_window(
             continue;
         }
         for start in [left, right - len] {
-            if st.window_held(start, len) {
+            if st.window_held(start, len, &mover) {
                 continue;
             }
             let lo = start.max(ho);
@@ -746,7 +790,7 @@ pub(crate) fn hole_window(
             if hi > lo {
                 for p in lo / page..=(hi - 1) / page {
                     need += 1;
-                    if !ghost_available(st, p) {
+                    if !ghost_available_for(st, p, any_pending, Some(&mover)) {
                         driver += 1;
                     }
                 }
@@ -770,9 +814,38 @@ pub(crate) fn ghost_available(st: &State<'_>, p: usize) -> bool {
     ghost_available_with(st, p, st.arena.any_pending())
 }
 
+/// [`ghost_available_with`], or else, for `mover`'s stream, a ghost whose
+/// page may come back by stream order (see
+/// [`ArenaState::rebind_guard_for`]).
+pub(crate) fn ghost_available_for(
+    st: &ArenaState,
+    p: usize,
+    any_pending: bool,
+    mover: Option<&Mover<'_>>,
+) -> bool {
+    let Some(phys) = st.arena.mapping_at(p) else {
+        return false;
+    };
+    let held = st.arena.any_held();
+    let free = match st.arena.owner_and_pages(phys) {
+        (None, _) => true,
+        // In use where it is (the common case): neither way comes back.
+        (Some(q), 1) if st.arena.users(q) > 0 => return false,
+        (Some(q), 1) => !any_pending || st.arena.page_guards_all(q, |g| st.is_complete(g)),
+        (Some(_), _) => st.unit_free(phys),
+    };
+    if free && !(held && st.held(p)) {
+        return true;
+    }
+    match mover {
+        Some(m) if any_pending || held => st.rebind_guard_for(p, m).is_some(),
+        _ => false,
+    }
+}
+
 /// [`ghost_available`], told whether any free range is pending anywhere
 /// (when none is, every free byte is complete).
-fn ghost_available_with(st: &State<'_>, p: usize, any_pending: bool) -> bool {
+fn ghost_available_with(st: &ArenaState, p: usize, any_pending: bool) -> bool {
     st.arena
         .mapping_at(p)
         .is_some_and(|phys| ghost_phys_available(st, phys, any_pending))
@@ -780,7 +853,7 @@ fn ghost_available_with(st: &State<'_>, p: usize, any_pending: bool) -> bool {
 }
 
 /// [`ghost_available_with`] for a ghost of physical unit `phys`.
-fn ghost_phys_available(st: &State<'_>, phys: usize, any_pending: bool) -> bool {
+fn ghost_phys_available(st: &ArenaState, phys: usize, any_pending: bool) -> bool {
     match st.arena.owner_and_pages(phys) {
         (None, _) => true,
         (Some(q), 1) => {
@@ -861,6 +934,25 @@ pub(crate) fn pick_victims(
             }
         }
         done += chunk;
+    }
+}
+
+/// Folds guard `g` into `found` (one stream's latest pending epoch) for
+/// `m`'s stream: true where `g` is complete, or pending on `found`'s
+/// stream (or the first pending one) and reusable by `m`'s stream now.
+fn merge_for(st: &ArenaState, found: &mut Option<(u64, u64)>, g: Guard, m: &Mover<'_>) -> bool {
+    match g {
+        _ if st.is_complete(g) => true,
+        Guard::After { stream, epoch } => {
+            if found.is_some_and(|(s, _)| s != stream)
+                || st.classify(g, m.me, m.clock, m.reuse).is_none()
+            {
+                return false;
+            }
+            *found = Some((stream, found.map_or(epoch, |(_, e)| e.max(epoch))));
+            true
+        }
+        Guard::Complete => true,
     }
 }
 
@@ -1032,8 +1124,8 @@ pub(crate) struct MapScratch {
     pub pool: Vec<usize>,
     /// Where each moved page was active (tracing only).
     pub moved_from: Vec<(usize, usize)>,
-    /// Physical pages moved while frees on them were pending on the
-    /// allocating stream: (unit, page it was active at, guard).
+    /// Physical pages moved while frees on them were pending (ordered
+    /// before the allocating stream): (unit, page it was active at, guard).
     pub moved_pending: Vec<(usize, usize, Guard)>,
     /// See `rebind_singles` (page mapping).
     pub rebind: RebindScratch,
@@ -1046,6 +1138,9 @@ pub(crate) struct RebindScratch {
     pub moves: Vec<(usize, usize)>,
     pub owners: Vec<usize>,
     pub phys: Vec<usize>,
+    /// Ghosts that come back by stream order: (page, unit, guard there,
+    /// guard of the place it leaves).
+    pub pending: Vec<(usize, usize, Guard, Option<Guard>)>,
 }
 
 /// Where the physical memory for a block's hole pages comes from (see

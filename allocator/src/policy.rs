@@ -11,8 +11,11 @@
 //!    tried on what is known ([`fit_known`]), then again after every
 //!    stream's cache joined the arena and the events were queried
 //!    ([`fit_observed`]);
-//! 4. stitching: completed, wholly free pages are unmapped from where they
-//!    sit and mapped into a contiguous virtual range;
+//! 4. stitching: wholly free pages are mapped into a contiguous virtual
+//!    range, their old mappings kept: completed ones first, then, where
+//!    growth is the alternative, ones whose frees are pending but ordered
+//!    before the allocating stream (the old mapping then stays, held,
+//!    until those frees complete);
 //! 5. growth: new physical pages, mapped in place (4 and 5:
 //!    [`stitch_or_grow`]);
 //! 6. on growth failure, other pools of the device release their cached
@@ -31,8 +34,8 @@
 //! The placement searches are in `placement`, the driver calls of steps 4
 //! and 5 in `pages`, events and completion in `ordering`: this module only
 //! decides which to use when. Map, unmap and release act immediately, not in
-//! stream order, so steps 4, 5 and trimming only ever touch memory whose
-//! frees are known complete.
+//! stream order, so steps 4, 5 and trimming only ever unmap or release
+//! memory whose frees are known complete.
 
 use crate::arena::FreeRange;
 use crate::config::{PoolConfig, ReusePolicy};

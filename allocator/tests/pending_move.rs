@@ -280,3 +280,77 @@ fn pages_move_to_a_stream_that_waits_for_their_frees() {
     assert_eq!(dev.live_handles(), 0);
     assert_eq!(dev.live_mappings(), 0);
 }
+
+/// A held place comes back, with no driver call, to the stream its frees
+/// are ordered before: the block that moved there is freed on the same
+/// held stream, and the stream's next block of the first one's shape gets
+/// the first place again; the place it leaves is held in turn (its frees
+/// are pending too), so another stream's request aimed at it neither
+/// binds over it nor gets its bytes. Both kernels find their memory.
+#[test]
+fn a_held_place_comes_back_to_the_stream_and_the_place_left_is_held() {
+    let dev = Arc::new(common::host_with_capacity(64 * MIB));
+    let pool = capped_pool(&dev, 7);
+    let s = dev.create_stream().unwrap();
+    let t = dev.create_stream().unwrap();
+    let mut hold = Blocker::on(&*dev, s);
+
+    // Pages of the medium zone: A 0-2 (s), C 3 (t), B 4-8 (s; its pages
+    // 6-8 are A's, moved), D 9 (t).
+    let a = pool.alloc_async(6 * MIB, s).unwrap();
+    let c = pool.alloc_async(2 * MIB, t).unwrap();
+    let (a_ptr, a_len) = (a.ptr(), a.size());
+    let first = write_kernel(&dev, s, a_ptr, common::pattern(1, a_len / 4));
+    pool.free_async(a, s).unwrap();
+    let b = pool.alloc_async(9 * MIB, s).unwrap();
+    assert_eq!(pool.pending_move_counts().0, 3);
+    let (b_ptr, b_len) = (b.ptr(), b.size());
+    let d = pool.alloc_async(2 * MIB, t).unwrap();
+    assert!(d.ptr() > b_ptr + b_len as u64);
+    let second = write_kernel(&dev, s, b_ptr, common::pattern(2, b_len / 4));
+    pool.free_async(b, s).unwrap();
+
+    // s again, A's shape: A's place, its three pages back with no bind.
+    let remaps = pool.stats().remaps;
+    let a2 = pool.alloc_async(6 * MIB, s).unwrap();
+    assert_eq!(a2.ptr(), a_ptr, "A's place came back");
+    assert_eq!(pool.stats().remaps, remaps, "a page was bound");
+    assert_eq!(pool.pending_move_counts(), (6, 0), "B's pages left held");
+
+    // t frees D (its page idle, complete) and asks for a page: the lowest
+    // window it may take is over B's pages 6-8, whose mappings s's second
+    // kernel is yet to write through; D's page must not be bound there.
+    pool.free_async(d, t).unwrap();
+    pool.synchronize_stream(t).unwrap();
+    for len in [2 * MIB, 4 * MIB] {
+        if let Ok(e) = pool.alloc_async(len, t) {
+            assert!(
+                !overlaps(e.ptr(), e.size(), b_ptr, b_len),
+                "t got {:#x}+{len:#x} over B's place, pending on s",
+                e.ptr()
+            );
+            pool.free_async(e, t).unwrap();
+            pool.synchronize_stream(t).unwrap();
+        }
+    }
+    assert!(!hold.done());
+    pool.trim_to(0).unwrap();
+    assert_eq!(pool.pending_move_counts().1, 0);
+
+    hold.release();
+    assert!(
+        first.recv().unwrap(),
+        "the first kernel found A's place unmapped"
+    );
+    assert!(
+        second.recv().unwrap(),
+        "the second kernel found B's place unmapped"
+    );
+    pool.free_async(a2, s).unwrap();
+    pool.free_async(c, t).unwrap();
+    pool.synchronize().unwrap();
+    pool.trim_to(0).unwrap();
+    assert_eq!(pool.stats().reserved_current, 0);
+    assert_eq!(dev.live_handles(), 0);
+    assert_eq!(dev.live_mappings(), 0);
+}
