@@ -6,7 +6,7 @@
 //! are multiples of a KiB) and again, with the same words, by every
 //! stream declared with `record_use`; frees on the
 //! allocating stream, or on another stream ordered after it by a wait
-//! made through the pool; trims and the release threshold mid-phase.
+//! made through the pool; trims and reuse switches changed mid-phase.
 //! Checked:
 //! - every kernel finds the memory it writes mapped, and no held mapping
 //!   is ever unmapped;
@@ -14,6 +14,10 @@
 //! - at the end of each phase (all gates open, all work done) every live
 //!   block holds exactly its words: a late writer that wrote into memory
 //!   another block owns shows there;
+//! - then, every free complete, a request of one page less than the
+//!   pages no live block touches succeeds (single-page configurations:
+//!   such pages can all be stitched into one window): no hold outlives
+//!   its frees;
 //! - at the end, with everything freed, `trim_to(0)` leaves nothing
 //!   reserved and the device no handle; the dropped pool no mapping.
 //!
@@ -24,7 +28,9 @@
 //! Caught: a mover that takes any page pending on a single stream
 //! (`page_pending_for` without the `classify` check: every
 //! configuration), and a moved page's bytes activated with nothing
-//! pending at the new place (two configurations).
+//! pending at the new place (two configurations), and holds that outlive
+//! their frees (`held` ignoring completion and holds never dropped: a
+//! false out-of-memory in every configuration).
 
 mod common;
 
@@ -84,7 +90,8 @@ fn write_kernel(dev: &HostDevice, stream: Stream, l: &Live) -> Receiver<bool> {
 }
 
 /// One seed under `cfg`; returns the pages moved while pending.
-fn run(cfg: PoolConfig, seed: u64, label: &str) -> u64 {
+fn run(cfg: PoolConfig, seed: u64, label: &str, cap_pages: Option<usize>) -> u64 {
+    let base_reuse = cfg.reuse;
     let dev = Arc::new(common::host_with_capacity(64 * MIB));
     let pool = MemPool::new(dev.clone(), cfg).expect("pool");
     let streams = common::streams(&*dev, 3);
@@ -138,6 +145,13 @@ fn run(cfg: PoolConfig, seed: u64, label: &str) -> u64 {
             } else if r < 58 {
                 pool.trim_to(rng.range(0, 8) * PAGE as u64)
                     .unwrap_or_else(|e| panic!("{what}: trim: {e}"));
+            } else if r < 60 {
+                // The reuse switches change under pending moves and holds.
+                pool.set_reuse(ReusePolicy {
+                    follow_event_dependencies: rng.range(0, 1) == 0,
+                    opportunistic: rng.range(0, 1) == 0,
+                    ..base_reuse
+                });
             } else {
                 let len = match rng.range(0, 3) {
                     0 => rng.log_range(4 * KIB as u64, 900 * KIB as u64) as usize,
@@ -187,6 +201,30 @@ fn run(cfg: PoolConfig, seed: u64, label: &str) -> u64 {
                 l.a.ptr()
             );
         }
+        // All work done, every free complete: pages no live block touches
+        // can all be stitched into one window (single pages move freely),
+        // so a request of one page less than they make never fails.
+        if let Some(cap) = cap_pages {
+            let mut touched: Vec<u64> = live
+                .iter()
+                .flat_map(|l| common::pages_of(l.a.ptr(), l.a.size()))
+                .collect();
+            touched.sort_unstable();
+            touched.dedup();
+            let spare = cap - touched.len();
+            if spare >= 2 {
+                let len = (spare - 1) * PAGE;
+                let s = streams[rng.range(0, 2) as usize];
+                match pool.alloc_async(len, s) {
+                    Ok(a) => pool.free_async(a, s).unwrap(),
+                    Err(e) => panic!(
+                        "{label} seed {seed} phase {phase}: {len} B with {spare} pages \
+                         untouched, all complete: {e} (moves {:?})",
+                        pool.pending_move_counts()
+                    ),
+                }
+            }
+        }
     }
     let moved = pool.pending_move_counts().0;
     for l in live.drain(..) {
@@ -211,17 +249,17 @@ fn reuse(internal: bool) -> ReusePolicy {
     }
 }
 
-fn sweep(label: &str, cfg: impl Fn() -> PoolConfig) {
+fn sweep(label: &str, cap_pages: Option<usize>, cfg: impl Fn() -> PoolConfig) {
     let mut moved = 0;
     for seed in 1..=12 {
-        moved += run(cfg(), seed, label);
+        moved += run(cfg(), seed, label, cap_pages);
     }
     assert!(moved > 0, "{label}: no page moved while pending");
 }
 
 #[test]
 fn single_pages_no_cache() {
-    sweep("single/no-cache", || {
+    sweep("single/no-cache", Some(8), || {
         common::config()
             .with_max_size(8 * PAGE as u64)
             .with_stream_cache_bytes(0)
@@ -231,7 +269,7 @@ fn single_pages_no_cache() {
 
 #[test]
 fn single_pages_cache() {
-    sweep("single/cache", || {
+    sweep("single/cache", Some(8), || {
         common::config()
             .with_max_size(8 * PAGE as u64)
             .with_reuse(reuse(false))
@@ -240,7 +278,7 @@ fn single_pages_cache() {
 
 #[test]
 fn single_pages_internal_dependencies() {
-    sweep("single/internal", || {
+    sweep("single/internal", Some(8), || {
         common::config()
             .with_max_size(8 * PAGE as u64)
             .with_stream_cache_bytes(0)
@@ -250,7 +288,7 @@ fn single_pages_internal_dependencies() {
 
 #[test]
 fn units_mixed_with_single_pages() {
-    sweep("units", || {
+    sweep("units", None, || {
         common::config()
             .with_max_size(10 * PAGE as u64)
             .with_stream_cache_bytes(0)
