@@ -240,3 +240,71 @@ fn a_moved_page_waits_for_a_declared_user_stream() {
     assert_eq!(dev.live_handles(), 0);
     assert_eq!(dev.live_mappings(), 0);
 }
+
+/// A held place may come back for a stream ordered after the frees on
+/// its page, wherever the page is now. Page P: X's place (freed on held
+/// stream `s`), then moved to a small block B on `s` (X's place held),
+/// B freed on `s` after an event E that stream `m` waits on through the
+/// pool. `m` is ordered after X's free but not after B's: P may not come
+/// back to X's place for `m` (nor move to it). A second gate on `s`
+/// right after E lets `m`'s kernel run before `s`'s kernel on B: if `m`
+/// got P, B's kernel then overwrites `m`'s block. Caught: a held place
+/// coming back with the guards where its page is active ignored
+/// (`rebind_guard_for` taking only the ghost's hold).
+#[test]
+fn a_held_place_comes_back_only_after_every_free_on_its_page() {
+    let dev = Arc::new(common::host_with_capacity(64 * MIB));
+    let pool = capped(&dev, 2, true);
+    let s = dev.create_stream().unwrap();
+    let t = dev.create_stream().unwrap();
+    let m = dev.create_stream().unwrap();
+    let mut gate1 = Blocker::on(&*dev, s);
+
+    let x = pool.alloc_async(PAGE, s).unwrap();
+    let c = pool.alloc_async(PAGE, t).unwrap();
+    let xp = x.ptr();
+    let kx = write_kernel(&dev, s, xp, common::pattern(71, PAGE / 4));
+    pool.free_async(x, s).unwrap();
+    let ev = pool.record_event(s).unwrap();
+    let mut gate2 = Blocker::on(&*dev, s);
+    let b = pool.alloc_async(512 << 10, s).unwrap();
+    assert_eq!(pool.pending_move_counts(), (1, 0), "X's page moved to B");
+    let kb = write_kernel(&dev, s, b.ptr(), common::pattern(72, b.size() / 4));
+    pool.free_async(b, s).unwrap();
+    pool.wait_event(m, &ev).unwrap();
+
+    let got = pool.alloc_async(PAGE, m);
+    let mut mine = None;
+    match got {
+        Ok(y) => {
+            let wy = common::pattern(73, y.size() / 4);
+            let ky = write_kernel(&dev, m, y.ptr(), wy.clone());
+            mine = Some((y, wy, ky));
+        }
+        Err(e) => assert!(e.is_out_of_memory(), "unexpected error: {e}"),
+    }
+    gate1.release();
+    assert!(kx.recv().unwrap(), "X's old place was unmapped");
+    if let Some((_, _, ky)) = &mine {
+        // m runs once s passed E; s stays at the second gate.
+        assert!(ky.recv().unwrap());
+    }
+    assert!(!gate2.done());
+    gate2.release();
+    assert!(kb.recv().unwrap(), "B's place was unmapped");
+    pool.synchronize().unwrap();
+    if let Some((y, wy, _)) = mine {
+        assert_eq!(
+            dev.read_words(y.ptr(), wy.len()).unwrap(),
+            wy,
+            "m's block was overwritten by s's kernel on B: m got B's page"
+        );
+        pool.free_async(y, m).unwrap();
+    }
+    pool.free_async(c, t).unwrap();
+    pool.synchronize().unwrap();
+    pool.trim_to(0).unwrap();
+    assert_eq!(pool.stats().reserved_current, 0);
+    assert_eq!(dev.live_handles(), 0);
+    assert_eq!(pool.pending_move_counts().1, 0);
+}
