@@ -269,7 +269,10 @@ fn pages_move_to_a_stream_that_waits_for_their_frees() {
     busy.release();
     for (ptr, words, k) in kernels {
         assert!(k.recv().unwrap(), "a pending free's old place was unmapped");
-        assert_eq!(dev.read_words(ptr, words.len()).unwrap(), words);
+        assert!(
+            dev.read_words(ptr, words.len()).unwrap() == words,
+            "the pattern is not where the kernel wrote it"
+        );
     }
     pool.free_async(big, b).unwrap();
     for x in live {
@@ -351,6 +354,66 @@ fn a_held_place_comes_back_to_the_stream_and_the_place_left_is_held() {
     pool.synchronize().unwrap();
     pool.trim_to(0).unwrap();
     assert_eq!(pool.stats().reserved_current, 0);
+    assert_eq!(dev.live_handles(), 0);
+    assert_eq!(dev.live_mappings(), 0);
+}
+
+/// A request that moved pages pending on its stream and then failed (the
+/// device ran out while growing the rest) puts them back where they were,
+/// free under their frees' guard: another stream's next block is not
+/// handed one of them (as a spare page) while the work before those frees
+/// may still write it through the old place.
+#[test]
+fn pages_moved_for_a_failed_request_go_back_under_their_guard() {
+    let dev = Arc::new(common::host_with_capacity(5 * PAGE));
+    let cfg: PoolConfig = common::config()
+        .with_stream_cache_bytes(0)
+        .with_reuse(ReusePolicy {
+            follow_event_dependencies: true,
+            opportunistic: true,
+            internal_dependencies: false,
+            wait_for_pending_frees: false,
+        });
+    let pool = common::pool(&dev, cfg);
+    let s = dev.create_stream().unwrap();
+    let t = dev.create_stream().unwrap();
+    let mut hold = Blocker::on(&*dev, s);
+
+    let a = pool.alloc_async(6 * MIB, s).unwrap();
+    let c = pool.alloc_async(2 * MIB, t).unwrap();
+    let (a_ptr, a_len) = (a.ptr(), a.size());
+    let words = common::pattern(5, a_len / 4);
+    let wrote = write_kernel(&dev, s, a_ptr, words.clone());
+    pool.free_async(a, s).unwrap();
+    // Five pages: A's three and two new ones, of which the device has one.
+    let err = pool.alloc_async(9 * MIB, s).unwrap_err();
+    assert!(err.is_out_of_memory(), "{err}");
+    assert!(pool.pending_move_counts().0 > 0, "A's pages never moved");
+
+    // t: one page, written at once (as its kernel would on an idle t).
+    let d = pool
+        .alloc_async(2 * MIB, t)
+        .expect("the device's last page");
+    let mine = common::pattern(9, d.size() / 4);
+    dev.write_words(d.ptr(), &mine).unwrap();
+    assert!(!hold.done());
+
+    hold.release();
+    assert!(wrote.recv().unwrap(), "the kernel found A's place unmapped");
+    pool.synchronize_stream(s).unwrap();
+    assert!(
+        dev.read_words(d.ptr(), mine.len()).unwrap() == mine,
+        "s's kernel wrote into t's block"
+    );
+    assert!(
+        dev.read_words(a_ptr, words.len()).unwrap() == words,
+        "the pattern is not where the kernel wrote it"
+    );
+    assert_eq!(pool.pending_move_counts().1, 0);
+    pool.free_async(c, t).unwrap();
+    pool.free_async(d, t).unwrap();
+    pool.synchronize().unwrap();
+    pool.trim_to(0).unwrap();
     assert_eq!(dev.live_handles(), 0);
     assert_eq!(dev.live_mappings(), 0);
 }
