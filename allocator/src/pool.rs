@@ -529,7 +529,13 @@ impl<D: Device> MemPool<D> {
     /// overlap with work ordered before this call on `stream` (and on every
     /// stream declared with [`record_use`](Self::record_use)). `stream` may
     /// differ from the allocation's stream when the caller ordered it after
-    /// every use. On error the allocation comes back in the [`FreeError`].
+    /// the allocation and after every use: the free is itself work on the
+    /// memory, which exists for a stream only from the allocation on (the
+    /// driver's pool asks the same). The block may have been carved from
+    /// memory whose earlier frees are still pending on the allocating
+    /// stream; a free on a stream not ordered after the allocation can hand
+    /// that memory out while those frees' work still runs. On error the
+    /// allocation comes back in the [`FreeError`].
     ///
     /// ```
     /// use std::sync::Arc;
