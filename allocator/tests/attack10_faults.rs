@@ -16,42 +16,14 @@
 
 mod common;
 
-use common::Blocker;
-use std::sync::atomic::Ordering;
-use std::sync::mpsc::{channel, Receiver};
+use common::{overlaps, write_kernel, Blocker};
+use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use tidepool::{MemPool, ReusePolicy};
-use tidepool_sys::{Device, DevicePtr, FaultInjector, HostDevice, Op, Stream, SysError};
+use tidepool_sys::{Device, FaultInjector, Op, SysError};
 
 const MIB: usize = 1 << 20;
 const PAGE: usize = 2 * MIB;
-
-fn write_kernel(
-    dev: &HostDevice,
-    stream: Stream,
-    ptr: DevicePtr,
-    words: Vec<u32>,
-) -> Receiver<bool> {
-    let (tx, rx) = channel();
-    dev.launch_on_words(stream, ptr, words.len() * 4, move |r| {
-        let ok = match r {
-            Ok(w) => {
-                for (x, &v) in w.iter().zip(&words) {
-                    x.store(v, Ordering::Relaxed);
-                }
-                true
-            }
-            Err(_) => false,
-        };
-        let _ = tx.send(ok);
-    })
-    .expect("launch kernel");
-    rx
-}
-
-fn overlaps(a: DevicePtr, alen: usize, b: DevicePtr, blen: usize) -> bool {
-    a < b + blen as u64 && b < a + alen as u64
-}
 
 /// One run: A (three pages) freed on held stream `s` behind a kernel
 /// writing it, C (a page) in use on `t` past it, the cap at six pages;

@@ -20,12 +20,10 @@
 
 mod common;
 
-use common::{Blocker, PAGE};
-use std::sync::atomic::Ordering;
-use std::sync::mpsc::{channel, Receiver};
+use common::{overlaps, write_kernel, Blocker, PAGE};
 use std::sync::Arc;
 use tidepool::{MemPool, PoolConfig, ReusePolicy};
-use tidepool_sys::{Device, DevicePtr, HostDevice, Stream};
+use tidepool_sys::{Device, HostDevice};
 
 const MIB: usize = 1 << 20;
 
@@ -43,35 +41,6 @@ fn capped_pool(dev: &Arc<HostDevice>, pages: usize) -> MemPool<HostDevice> {
             wait_for_pending_frees: false,
         });
     common::pool(dev, cfg)
-}
-
-/// Enqueue on `stream` a "kernel" writing `words` at `ptr`; the receiver
-/// says whether the memory was mapped read-write when it ran.
-fn write_kernel(
-    dev: &HostDevice,
-    stream: Stream,
-    ptr: DevicePtr,
-    words: Vec<u32>,
-) -> Receiver<bool> {
-    let (tx, rx) = channel();
-    dev.launch_on_words(stream, ptr, words.len() * 4, move |r| {
-        let ok = match r {
-            Ok(w) => {
-                for (x, &v) in w.iter().zip(&words) {
-                    x.store(v, Ordering::Relaxed);
-                }
-                true
-            }
-            Err(_) => false,
-        };
-        let _ = tx.send(ok);
-    })
-    .expect("launch kernel");
-    rx
-}
-
-fn overlaps(a: DevicePtr, alen: usize, b: DevicePtr, blen: usize) -> bool {
-    a < b + blen as u64 && b < a + alen as u64
 }
 
 /// The first scenario: a block of three pages freed on a held stream

@@ -182,3 +182,33 @@ pub fn page_end_words(a: &Allocation) -> Vec<u64> {
     }
     out
 }
+
+/// Enqueue on `stream` a "kernel" writing `words` at `ptr`; the receiver
+/// says whether the memory was mapped read-write when it ran.
+pub fn write_kernel(
+    dev: &HostDevice,
+    stream: Stream,
+    ptr: DevicePtr,
+    words: Vec<u32>,
+) -> Receiver<bool> {
+    let (tx, rx) = channel();
+    dev.launch_on_words(stream, ptr, words.len() * 4, move |r| {
+        let ok = match r {
+            Ok(w) => {
+                for (x, &v) in w.iter().zip(&words) {
+                    x.store(v, Ordering::Relaxed);
+                }
+                true
+            }
+            Err(_) => false,
+        };
+        let _ = tx.send(ok);
+    })
+    .expect("launch kernel");
+    rx
+}
+
+/// Whether `[a, a + alen)` and `[b, b + blen)` share a byte.
+pub fn overlaps(a: DevicePtr, alen: usize, b: DevicePtr, blen: usize) -> bool {
+    a < b + blen as u64 && b < a + alen as u64
+}
