@@ -974,6 +974,47 @@ mod tests {
     use crate::sync::{lock, Mutex};
     use tidepool_sys::{HostConfig, HostDevice};
 
+    const PAGE: usize = 2 << 20;
+
+    /// A host device of 32 pages, 64 pages of address space reserved on
+    /// it, and the pool parts `Pages` borrows.
+    struct Fixture {
+        dev: HostDevice,
+        va: usize,
+        base: DevicePtr,
+        config: PoolConfig,
+        share: ShareState,
+    }
+
+    impl Fixture {
+        fn new(config: PoolConfig) -> Self {
+            let dev = HostDevice::with_config(HostConfig {
+                capacity: 64 << 20,
+                granularity: PAGE,
+            });
+            let va = 64 * PAGE;
+            let base = dev.reserve_va(va, PAGE).unwrap();
+            let share = ShareState::new(crate::share_state::initial_access(&dev, &[]).unwrap());
+            Fixture {
+                dev,
+                va,
+                base,
+                config,
+                share,
+            }
+        }
+
+        fn pages(&self) -> Pages<'_, HostDevice> {
+            Pages {
+                pool: 0,
+                device: &self.dev,
+                base: self.base,
+                config: &self.config,
+                share: &self.share,
+            }
+        }
+    }
+
     /// A unit whose ghosts lie across the start of a window and wholly
     /// inside it, free where it is active: it comes back inside the
     /// window, and the window needs three new pages, not four. Brought
@@ -984,26 +1025,15 @@ mod tests {
     /// `attack3_units.rs` met on a full device).
     #[test]
     fn a_unit_comes_back_to_its_ghost_inside_the_window_first() {
-        let page = 2 << 20;
-        let dev = HostDevice::with_config(HostConfig {
-            capacity: 64 << 20,
-            granularity: page,
-        });
-        let va = 64 * page;
-        let base = dev.reserve_va(va, page).unwrap();
-        let config = PoolConfig::default()
-            .with_max_unit_size(2 * page)
-            .with_unit_min_block(2 * page)
-            .with_max_size(5 * page as u64);
-        let share = ShareState::new(crate::share_state::initial_access(&dev, &[]).unwrap());
-        let pages = Pages {
-            pool: 0,
-            device: &dev,
-            base,
-            config: &config,
-            share: &share,
-        };
-        let state = Mutex::new(ArenaState::new(Arena::new(va, page)));
+        let page = PAGE;
+        let fx = Fixture::new(
+            PoolConfig::default()
+                .with_max_unit_size(2 * PAGE)
+                .with_unit_min_block(2 * PAGE)
+                .with_max_size(5 * PAGE as u64),
+        );
+        let (dev, pages) = (&fx.dev, fx.pages());
+        let state = Mutex::new(ArenaState::new(Arena::new(fx.va, page)));
         let mut st = lock(&state);
         let opts = PhysicalOptions { exportable: false };
         let g = st
@@ -1024,7 +1054,7 @@ mod tests {
         assert_eq!(st.arena.rebinds(), 1);
         pages.unmap_all(&mut st);
         drop(st);
-        dev.free_va(base, va).unwrap();
+        dev.free_va(fx.base, fx.va).unwrap();
     }
 
     /// A page with as many mappings as it may keep, bound once more:
@@ -1034,23 +1064,10 @@ mod tests {
     /// held mapping at page 0 (counted, and a debug assertion).
     #[test]
     fn eviction_never_takes_a_held_mapping() {
-        let page = 2 << 20;
-        let dev = HostDevice::with_config(HostConfig {
-            capacity: 64 << 20,
-            granularity: page,
-        });
-        let va = 64 * page;
-        let base = dev.reserve_va(va, page).unwrap();
-        let config = PoolConfig::default();
-        let share = ShareState::new(crate::share_state::initial_access(&dev, &[]).unwrap());
-        let pages = Pages {
-            pool: 0,
-            device: &dev,
-            base,
-            config: &config,
-            share: &share,
-        };
-        let state = Mutex::new(ArenaState::new(Arena::new(va, page)));
+        let page = PAGE;
+        let fx = Fixture::new(PoolConfig::default());
+        let (dev, pages) = (&fx.dev, fx.pages());
+        let state = Mutex::new(ArenaState::new(Arena::new(fx.va, page)));
         let mut st = lock(&state);
         let opts = PhysicalOptions { exportable: false };
         let i = st
@@ -1088,7 +1105,7 @@ mod tests {
         assert_eq!(st.arena.pending_unmaps(), 0);
         pages.unmap_all(&mut st);
         drop(st);
-        dev.free_va(base, va).unwrap();
+        dev.free_va(fx.base, fx.va).unwrap();
     }
 
     /// A huge window that needs the fewest binds but would unmap ghost
@@ -1099,23 +1116,10 @@ mod tests {
     /// tie on address and the two ghosts are gone.
     #[test]
     fn a_huge_window_keeps_ghosts_another_pattern_needs() {
-        let page = 2 << 20;
-        let dev = HostDevice::with_config(HostConfig {
-            capacity: 64 << 20,
-            granularity: page,
-        });
-        let va = 64 * page;
-        let base = dev.reserve_va(va, page).unwrap();
-        let config = PoolConfig::default();
-        let share = ShareState::new(crate::share_state::initial_access(&dev, &[]).unwrap());
-        let pages = Pages {
-            pool: 0,
-            device: &dev,
-            base,
-            config: &config,
-            share: &share,
-        };
-        let state = Mutex::new(ArenaState::new(Arena::new(va, page)));
+        let page = PAGE;
+        let fx = Fixture::new(PoolConfig::default());
+        let (dev, pages) = (&fx.dev, fx.pages());
+        let state = Mutex::new(ArenaState::new(Arena::new(fx.va, page)));
         let mut st = lock(&state);
         let opts = PhysicalOptions { exportable: false };
         let new_page = |st: &mut State<'_>| {
@@ -1147,6 +1151,6 @@ mod tests {
         assert_eq!(window(&st, true), Some((2, 2, 50 * page)));
         pages.unmap_all(&mut st);
         drop(st);
-        dev.free_va(base, va).unwrap();
+        dev.free_va(fx.base, fx.va).unwrap();
     }
 }
