@@ -618,12 +618,12 @@ fn liveness_cached_frees_merge_after_completion<D: Backend>(dev: &Arc<D>, k: &dy
     destroy(&**dev, &s);
 }
 
-/// A pool capped at 8 pages, full of half-page blocks; every other page's
-/// blocks are freed (and complete), so 4 pages are free but no free range
-/// holds 2. A 2-page request on the freeing stream and on a second stream
-/// must be served by stitching (no growth, no out-of-memory), while the
-/// live blocks, tagged before, verify after.
-fn liveness_fragmented_pool_has_no_false_oom<D: Backend>(dev: &Arc<D>, k: &dyn TagKernels) {
+/// A pool capped at 8 pages with every switch on and no stream cache, two
+/// streams, and 16 half-page blocks allocated on the first: the pool is
+/// full.
+fn eight_full_pages<D: Backend>(
+    dev: &Arc<D>,
+) -> (MemPool<D>, Vec<Stream>, Vec<tidepool::Allocation>) {
     let page = dev.granularity();
     let pool = make_pool(dev, Some(8 * page as u64), false, all_on());
     let s = streams(&**dev, 2);
@@ -631,6 +631,17 @@ fn liveness_fragmented_pool_has_no_false_oom<D: Backend>(dev: &Arc<D>, k: &dyn T
         .map(|_| pool.alloc_async(page / 2, s[0]).expect("half-page block"))
         .collect();
     assert_eq!(pool.stats().reserved_current, 8 * page as u64);
+    (pool, s, blocks)
+}
+
+/// A pool capped at 8 pages, full of half-page blocks; every other page's
+/// blocks are freed (and complete), so 4 pages are free but no free range
+/// holds 2. A 2-page request on the freeing stream and on a second stream
+/// must be served by stitching (no growth, no out-of-memory), while the
+/// live blocks, tagged before, verify after.
+fn liveness_fragmented_pool_has_no_false_oom<D: Backend>(dev: &Arc<D>, k: &dyn TagKernels) {
+    let page = dev.granularity();
+    let (pool, s, blocks) = eight_full_pages(dev);
     let page_of = move |p: u64| p / page as u64;
     let mut live = Vec::new();
     for (i, a) in blocks.iter().enumerate() {
@@ -692,12 +703,7 @@ fn liveness_fragmented_pool_has_no_false_oom<D: Backend>(dev: &Arc<D>, k: &dyn T
 /// back every page.
 fn pending_pages_serve_their_own_stream<D: Backend>(dev: &Arc<D>, k: &dyn TagKernels) {
     let page = dev.granularity();
-    let pool = make_pool(dev, Some(8 * page as u64), false, all_on());
-    let s = streams(&**dev, 2);
-    let blocks: Vec<_> = (0..16)
-        .map(|_| pool.alloc_async(page / 2, s[0]).expect("half-page block"))
-        .collect();
-    assert_eq!(pool.stats().reserved_current, 8 * page as u64);
+    let (pool, s, blocks) = eight_full_pages(dev);
     let page_of = move |p: u64| p / page as u64;
     let tag = |i: usize| 0x9E4D_0000 + i as u32;
     let (mut live, mut freed) = (Vec::new(), Vec::new());
