@@ -699,3 +699,93 @@ fn the_json_names_the_lag_a_pass_ran_under() {
     let lagged = json(&["--lag", "7"]);
     assert!(lagged.contains("\"lag\":7,"), "{lagged}");
 }
+
+/// `--interleave` runs the allocators' passes in turns (JSON lines in the
+/// order they ran: tidepool 1, ideal 1, tidepool 2, ideal 2), and each
+/// allocator's passes decide exactly what they decide when it runs alone;
+/// the table still lists each allocator's passes together.
+#[test]
+fn interleaved_allocators_take_turns_and_decide_the_same() {
+    let t = trace("pipeline.csv.gz");
+    let lines = |extra: &[&str]| {
+        let mut args = vec![
+            "--backend",
+            "host",
+            "--passes",
+            "2",
+            "--max-ops",
+            "12000",
+            "--allocator",
+            "tidepool",
+            "--allocator",
+            "ideal",
+        ];
+        args.extend_from_slice(extra);
+        args.push(t.to_str().unwrap());
+        let o = run(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        String::from_utf8(o.stdout).unwrap()
+    };
+    // The allocator and pass of each JSON line, and the decisions of
+    // tidepool's passes (no timings).
+    let order_and_decisions = |out: &str| {
+        let field = |line: &str, k: &str| {
+            let at = line
+                .find(&format!("\"{k}\":"))
+                .unwrap_or_else(|| panic!("{k}: {line}"));
+            line[at + k.len() + 3..]
+                .split([',', '}'])
+                .next()
+                .unwrap()
+                .to_string()
+        };
+        let mut order = Vec::new();
+        let mut decided = Vec::new();
+        for line in out.lines().filter(|l| l.starts_with('{')) {
+            order.push((field(line, "allocator"), field(line, "pass")));
+            if field(line, "allocator") == "\"tidepool\"" {
+                decided.push(
+                    [
+                        "peak_reserved_bytes",
+                        "growths",
+                        "remaps",
+                        "rebinds",
+                        "cache_hits",
+                    ]
+                    .map(|k| field(line, k)),
+                );
+            }
+        }
+        (order, decided)
+    };
+    let (order, decided) = order_and_decisions(&lines(&["--json", "--interleave"]));
+    let named = |a: &str, p: &str| (format!("\"{a}\""), p.to_string());
+    assert_eq!(
+        order,
+        [
+            named("tidepool", "1"),
+            named("ideal", "1"),
+            named("tidepool", "2"),
+            named("ideal", "2")
+        ]
+    );
+    let (alone_order, alone) = order_and_decisions(&lines(&["--json"]));
+    assert_eq!(
+        alone_order,
+        [
+            named("tidepool", "1"),
+            named("tidepool", "2"),
+            named("ideal", "1"),
+            named("ideal", "2")
+        ]
+    );
+    assert_eq!(decided, alone, "interleaving changed what tidepool decided");
+    // The table groups each allocator's passes.
+    let table = lines(&["--interleave"]);
+    let rows: Vec<&str> = table
+        .lines()
+        .filter(|l| l.starts_with("pipeline"))
+        .map(|l| l.split_whitespace().nth(2).unwrap())
+        .collect();
+    assert_eq!(rows, ["tidepool", "tidepool", "ideal*", "ideal*"]);
+}

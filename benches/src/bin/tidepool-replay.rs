@@ -86,6 +86,14 @@ struct Args {
     #[arg(long)]
     compare: bool,
 
+    /// Replay the allocators in turns, pass by pass (pass 1 of each, then
+    /// pass 2 of each, ...), instead of all passes of one allocator before
+    /// the next: passes compared with each other then run close in time,
+    /// so that a machine whose speed drifts during the run affects them
+    /// alike. Each allocator's figures are the same kind either way.
+    #[arg(long)]
+    interleave: bool,
+
     /// Passes per allocator: pass 1 is fresh, later passes reuse (warm) it.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     passes: u32,
@@ -394,11 +402,19 @@ fn run(args: Args) -> Result<(), (u8, String)> {
     let mut write_failed: Option<(u8, String)> = None;
     for trace in &traces {
         let mut trace_records = Vec::new();
-        for &kind in &kinds {
+        // One group of allocators replayed together: each on its own, or
+        // all of them in turns (--interleave).
+        let groups: Vec<Vec<AllocatorKind>> = if args.interleave {
+            vec![kinds.clone()]
+        } else {
+            kinds.iter().map(|&k| vec![k]).collect()
+        };
+        for group in &groups {
             let mut base = bar.as_ref().map_or(0, |b| b.position());
             let mut last = 0usize;
             if let Some(b) = &bar {
-                b.set_message(format!("{} / {kind}", trace.name));
+                let names: Vec<&str> = group.iter().map(|k| k.name()).collect();
+                b.set_message(format!("{} / {}", trace.name, names.join(", ")));
             }
             let mut on_record = |rec: &Record| {
                 if json && write_failed.is_none() {
@@ -419,11 +435,18 @@ fn run(args: Args) -> Result<(), (u8, String)> {
                     b.set_position(base + done as u64);
                 }
             };
-            let recs = session::replay(trace, kind, &opts, &mut on_record, &mut progress)
-                .map_err(|e| (EXIT_FAILURE, format!("{}: {e}", trace.name)))?;
+            let mut recs =
+                session::replay_interleaved(trace, group, &opts, &mut on_record, &mut progress)
+                    .map_err(|e| (EXIT_FAILURE, format!("{}: {e}", trace.name)))?;
             if let Some(e) = write_failed.take() {
                 return Err(e);
             }
+            // The table lists each allocator's passes together, in the
+            // order the allocators were named, whatever order they ran in.
+            recs.sort_by_key(|r| {
+                let at = group.iter().position(|k| k.name() == r.allocator);
+                (at, r.result.pass)
+            });
             trace_records.extend(recs);
         }
         if args.plot.is_some() {

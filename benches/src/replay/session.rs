@@ -168,11 +168,28 @@ pub fn replay(
     on_record: &mut dyn FnMut(&Record),
     progress: &mut dyn FnMut(usize),
 ) -> Result<Vec<Record>, ReplayError> {
-    if !kind.available_on(opts.backend) {
-        return Err(ReplayError(format!(
-            "allocator {kind} needs the cuda backend (this run uses {})",
-            opts.backend
-        )));
+    replay_interleaved(trace, &[kind], opts, on_record, progress)
+}
+
+/// Replay `trace` through a fresh allocator of each of `kinds`, taking
+/// turns pass by pass: pass 1 of every allocator, then pass 2 of every
+/// allocator, and so on. Each allocator's passes are the same as in a
+/// [`replay`] of its own (its own replayer, warm from its own previous
+/// pass); only the order in time differs. A machine whose speed drifts
+/// during a run (clocks, other tenants) then slows the passes that are
+/// compared with each other alike, where allocators replayed one after
+/// the other would each meet a different part of the drift. Records come
+/// in the order the passes ran.
+pub fn replay_interleaved(
+    trace: &Trace,
+    kinds: &[AllocatorKind],
+    opts: &SessionOptions,
+    on_record: &mut dyn FnMut(&Record),
+    progress: &mut dyn FnMut(usize),
+) -> Result<Vec<Record>, ReplayError> {
+    let mut runners = Vec::with_capacity(kinds.len());
+    for &kind in kinds {
+        runners.push((kind, start(trace, kind, opts)?));
     }
     let pass_opts = PassOptions {
         sample_every: if opts.samples_per_pass > 0 {
@@ -182,10 +199,54 @@ pub fn replay(
         },
         progress_every: opts.progress_every,
     };
-    macro_rules! run {
-        ($alloc:expr) => {
-            run_passes($alloc, trace, opts, pass_opts, kind, on_record, progress)?
-        };
+    let mut out = Vec::new();
+    for _ in 0..opts.passes.max(1) {
+        for (kind, runner) in &mut runners {
+            let r = runner.next_pass(pass_opts, &mut *progress)?;
+            let rec = record(trace, opts, *kind, r);
+            on_record(&rec);
+            out.push(rec);
+        }
+    }
+    Ok(out)
+}
+
+/// One allocator's replayer with the allocator's type erased, so that the
+/// replayers of several allocators can take turns. Each pass still runs
+/// the replayer's own loop, compiled for its allocator.
+trait PassRunner {
+    fn next_pass(
+        &mut self,
+        opts: PassOptions,
+        progress: &mut dyn FnMut(usize),
+    ) -> Result<PassResult, ReplayError>;
+}
+
+impl<A: ReplayAllocator> PassRunner for Replayer<'_, A> {
+    fn next_pass(
+        &mut self,
+        opts: PassOptions,
+        progress: &mut dyn FnMut(usize),
+    ) -> Result<PassResult, ReplayError> {
+        self.pass(opts, progress)
+    }
+}
+
+/// A fresh `kind` allocator on the session's backend, ready to replay
+/// `trace`.
+fn start<'t>(
+    trace: &'t Trace,
+    kind: AllocatorKind,
+    opts: &SessionOptions,
+) -> Result<Box<dyn PassRunner + 't>, ReplayError> {
+    if !kind.available_on(opts.backend) {
+        return Err(ReplayError(format!(
+            "allocator {kind} needs the cuda backend (this run uses {})",
+            opts.backend
+        )));
+    }
+    fn boxed<'t, A: ReplayAllocator + 't>(alloc: A, trace: &'t Trace) -> Box<dyn PassRunner + 't> {
+        Box::new(Replayer::new(alloc, trace))
     }
     let streams = trace.streams.len();
     let mut pool_config = tidepool::PoolConfig::default();
@@ -201,8 +262,8 @@ pub fn replay(
     if let Some(bytes) = opts.va_size {
         pool_config = pool_config.with_va_size(bytes);
     }
-    let results = match (kind, opts.backend) {
-        (AllocatorKind::Ideal, _) => run!(allocators::IdealAllocator::new(u64::MAX, 1)),
+    Ok(match (kind, opts.backend) {
+        (AllocatorKind::Ideal, _) => boxed(allocators::IdealAllocator::new(u64::MAX, 1), trace),
         (AllocatorKind::Tidepool, Backend::Host) => {
             let config = match opts.host_capacity {
                 Some(capacity) => HostConfig {
@@ -215,35 +276,38 @@ pub fn replay(
             if opts.lag > 0 {
                 let clock = Arc::new(LagClock::new());
                 let dev = Arc::new(Lagged::new(dev, clock.clone(), opts.lag));
-                run!(TidepoolAlloc::with_lag_clock(
-                    dev,
-                    streams,
-                    pool_config,
-                    clock
-                )?)
+                boxed(
+                    TidepoolAlloc::with_lag_clock(dev, streams, pool_config, clock)?,
+                    trace,
+                )
             } else {
-                run!(TidepoolAlloc::with_config(dev, streams, pool_config)?)
+                boxed(
+                    TidepoolAlloc::with_config(dev, streams, pool_config)?,
+                    trace,
+                )
             }
         }
         (AllocatorKind::Tidepool, Backend::Cuda) => {
             let dev = Arc::new(allocators::cuda_device()?);
-            run!(TidepoolAlloc::with_config(dev, streams, pool_config)?)
+            boxed(
+                TidepoolAlloc::with_config(dev, streams, pool_config)?,
+                trace,
+            )
         }
         (AllocatorKind::DriverPool, Backend::Cuda) => {
             let dev = allocators::cuda_device()?;
-            run!(allocators::DriverPoolAlloc::new(&dev, streams)?)
+            boxed(allocators::DriverPoolAlloc::new(&dev, streams)?, trace)
         }
         (AllocatorKind::CuMemAlloc, Backend::Cuda) => {
             let dev = allocators::cuda_device()?;
-            run!(allocators::CuMemAlloc::new(&dev))
+            boxed(allocators::CuMemAlloc::new(&dev), trace)
         }
         (AllocatorKind::DriverPool | AllocatorKind::CuMemAlloc, Backend::Host) => {
             return Err(ReplayError(format!(
                 "allocator {kind} needs the cuda backend"
             )))
         }
-    };
-    Ok(results)
+    })
 }
 
 fn record(trace: &Trace, opts: &SessionOptions, kind: AllocatorKind, r: PassResult) -> Record {
@@ -256,28 +320,6 @@ fn record(trace: &Trace, opts: &SessionOptions, kind: AllocatorKind, r: PassResu
         announced_capture: !opts.check_capture && kind == AllocatorKind::Tidepool,
         note: kind.note().map(str::to_string),
     }
-}
-
-/// Run the passes on one allocator (generic, so the timed loop is
-/// monomorphised for it).
-pub(crate) fn run_passes<A: ReplayAllocator>(
-    alloc: A,
-    trace: &Trace,
-    opts: &SessionOptions,
-    pass_opts: PassOptions,
-    kind: AllocatorKind,
-    on_record: &mut dyn FnMut(&Record),
-    progress: &mut dyn FnMut(usize),
-) -> Result<Vec<Record>, ReplayError> {
-    let mut replayer = Replayer::new(alloc, trace);
-    let mut out = Vec::new();
-    for _ in 0..opts.passes.max(1) {
-        let r = replayer.pass(pass_opts, &mut *progress)?;
-        let rec = record(trace, opts, kind, r);
-        on_record(&rec);
-        out.push(rec);
-    }
-    Ok(out)
 }
 
 /// The plot panel of one trace from the records of its replays: the live
