@@ -12,11 +12,11 @@ mod common;
 
 use common::*;
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::mpsc::{channel, Receiver};
 use std::sync::Arc;
 use tidepool::{Allocation, MemPool, PoolConfig, PoolError};
-use tidepool_sys::{Device, DevicePtr, HostDevice, Stream};
+use tidepool_sys::{Device, DevicePtr, FaultInjector, HostDevice, Op, Stream};
 
 /// Slots of the pool's direct stream table (one per stream-id residue).
 const DIRECT_SLOTS: u64 = 256;
@@ -83,7 +83,7 @@ fn all_true(rxs: Vec<Receiver<bool>>, what: &str) {
 
 /// Free everything, wait, and check the pool's books: every allocation
 /// freed, nothing used, and a trim to 0 gives back every page.
-fn drained(pool: &MemPool<HostDevice>, allocs: u64, what: &str) {
+fn drained<D: Device>(pool: &MemPool<D>, allocs: u64, what: &str) {
     pool.synchronize().expect("synchronize");
     let st = pool.stats();
     assert_eq!(st.allocs, allocs, "{what}: allocations counted ({st:?})");
@@ -330,11 +330,16 @@ fn a_free_through_the_wrong_pool_is_refused_on_warm_streams() {
 /// A thread holds a stream's entry in its tables (warm); the main thread
 /// retires the stream while its last free is still pending behind a
 /// blocked task. `synchronize` waits for that free: afterwards the task
-/// has run and a trim gives back every page.
+/// has run and a trim gives back every page. The task is released only
+/// once `synchronize` has begun a wait on the device (counted by a fault
+/// injector that fails nothing), so a `synchronize` that returned without
+/// waiting finds it still blocked, however fast or slow the machine.
 #[test]
 fn synchronize_waits_for_a_retired_streams_last_free() {
-    let dev = Arc::new(host());
-    let pool = Arc::new(small_pool(&dev));
+    let dev = Arc::new(FaultInjector::new(host()));
+    let pool = Arc::new(
+        MemPool::new(dev.clone(), PoolConfig::default().with_va_size(256 << 20)).expect("pool"),
+    );
     let s = dev.create_stream().unwrap();
     let mut blocker = Blocker::on(&*dev, s);
     let flag = blocker.flag();
@@ -363,20 +368,35 @@ fn synchronize_waits_for_a_retired_streams_last_free() {
     pool.retire_stream(s).unwrap();
     to_worker.send(()).unwrap();
     worker.join().unwrap();
-    // Release the stream from elsewhere; synchronize must wait for it
-    // however long that takes.
-    let releaser = std::thread::spawn(move || {
-        std::thread::sleep(std::time::Duration::from_millis(50));
-        blocker.release();
-        blocker
-    });
+    // Release the task from elsewhere once synchronize waits on the device
+    // (or has returned: then it is released only after the check below).
+    const WAITS: [Op; 3] = [
+        Op::SynchronizeEvent,
+        Op::SynchronizeStream,
+        Op::SynchronizeDevice,
+    ];
+    let waits = |d: &FaultInjector<HostDevice>| WAITS.iter().map(|&op| d.calls(op)).sum::<u64>();
+    let before = waits(&dev);
+    let returned = Arc::new(AtomicBool::new(false));
+    let releaser = {
+        let (dev, returned) = (dev.clone(), returned.clone());
+        std::thread::spawn(move || {
+            while waits(&dev) == before && !returned.load(Ordering::SeqCst) {
+                std::thread::yield_now();
+            }
+            blocker.release();
+            blocker
+        })
+    };
     pool.synchronize().unwrap();
+    let task_ran = flag.load(Ordering::SeqCst);
+    returned.store(true, Ordering::SeqCst);
+    let _ = releaser.join().unwrap();
     assert!(
-        flag.load(Ordering::SeqCst),
+        task_ran,
         "synchronize returned before the retired stream's last free completed"
     );
-    let _ = releaser.join().unwrap();
-    drained(&pool, 51, "retired stream");
+    drained(&*pool, 51, "retired stream");
 }
 
 /// Threads hop over more streams than any per-thread table holds (300
