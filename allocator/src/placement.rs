@@ -519,7 +519,7 @@ fn paged_best_window(
         .expect("the window lies in a span");
     let window = &mut terms[at + q - qlo..at + q - qlo + n];
     resolve(window, q);
-    let s: Sums = window.iter().map(|&t| vals[t as usize]).sum();
+    let s: Sums = window.iter().map(|&t| val(&vals, t)).sum();
     let mut best = (key(s, q * page), s);
     if s == 0 {
         // Nothing can beat it: every other window's bound is above.
@@ -581,16 +581,24 @@ const FIELD: u32 = 21;
 /// The most a field of [`Sums`] holds.
 const FIELD_MAX: usize = (1 << FIELD) - 1;
 
+/// What page cost `t` adds to a window's sums. Costs are flags below 16:
+/// masking them tells the compiler so, and spares a bounds check per page
+/// in the slides' inner loops.
+#[inline]
+fn val(vals: &[Sums; 16], t: u8) -> Sums {
+    vals[(t & 15) as usize]
+}
+
 /// Calls `f(k, sums)` for each window of `n` pages over the page costs
 /// `ts`, the `k`th starting at `ts[k]`; `vals` is what each cost adds.
 fn slide(ts: &[u8], n: usize, vals: &[Sums; 16], mut f: impl FnMut(usize, Sums)) {
     if ts.len() < n {
         return;
     }
-    let mut s: Sums = ts[..n].iter().map(|&t| vals[t as usize]).sum();
+    let mut s: Sums = ts[..n].iter().map(|&t| val(vals, t)).sum();
     f(0, s);
     for (k, (&out, &inn)) in ts.iter().zip(&ts[n..]).enumerate() {
-        s = s + vals[inn as usize] - vals[out as usize];
+        s = s + val(vals, inn) - val(vals, out);
         f(k + 1, s);
     }
 }
