@@ -2395,11 +2395,12 @@ impl Arena {
         }
         for q in p..p + n {
             self.pages[q].active = true;
-            self.active.insert(q);
-            self.idle.insert(q);
             self.idle_since[q] = self.idle_clock;
             self.idle_clock += 1;
         }
+        // The page sets a word at a time (runs of moved pages).
+        self.active.insert_range(p, p + n);
+        self.idle.insert_range(p, p + n);
         self.run_add(ps, pe - ps);
         self.insert_free(ps, pe - ps, guard, &mut |_| 0);
     }

@@ -847,12 +847,11 @@ fn rebind_singles(
     pending.clear();
     let may_pend = mover.is_some() && (st.arena.any_pending() || st.arena.any_held());
     for &p in targets {
+        // Targets lie in the block: a ghost on an earlier target is one at
+        // a page from the block's start up to `p` (one range check).
+        let earlier = *block.start()..p;
         let Some(i) = st.arena.mapping_at(p).filter(|&i| {
-            !st.arena
-                .mappings(i)
-                .iter()
-                .any(|&b| b < p && block.contains(&b))
-                && phys_movable(st, i, block)
+            !st.arena.mappings(i).iter().any(|b| earlier.contains(b)) && phys_movable(st, i, block)
         }) else {
             rest.push(p);
             continue;

@@ -496,7 +496,9 @@ fn paged_best_window(
     // address order, and the lowest: windows come in address order, so
     // the first of equal bounds is the lowest window. Real bounds are far
     // below `Sums::MAX`.
-    let mut bounds: Vec<Sums> = Vec::new();
+    // One per window: sized once rather than grown push by push.
+    let mut bounds: Vec<Sums> =
+        Vec::with_capacity(spans.iter().map(|&(qlo, qhi, _)| qhi - qlo + 1).sum());
     let (mut low, mut q) = (Sums::MAX, 0);
     for &(qlo, qhi, at) in &spans {
         slide(&terms[at..at + qhi - qlo + n], n, &vals, |k, s| {
@@ -517,7 +519,7 @@ fn paged_best_window(
         .expect("the window lies in a span");
     let window = &mut terms[at + q - qlo..at + q - qlo + n];
     resolve(window, q);
-    let s: Sums = window.iter().map(|&t| vals[t as usize]).sum();
+    let s: Sums = window.iter().map(|&t| val(&vals, t)).sum();
     let mut best = (key(s, q * page), s);
     if s == 0 {
         // Nothing can beat it: every other window's bound is above.
@@ -579,16 +581,24 @@ const FIELD: u32 = 21;
 /// The most a field of [`Sums`] holds.
 const FIELD_MAX: usize = (1 << FIELD) - 1;
 
+/// What page cost `t` adds to a window's sums. Costs are flags below 16:
+/// masking them tells the compiler so, and spares a bounds check per page
+/// in the slides' inner loops.
+#[inline]
+fn val(vals: &[Sums; 16], t: u8) -> Sums {
+    vals[(t & 15) as usize]
+}
+
 /// Calls `f(k, sums)` for each window of `n` pages over the page costs
 /// `ts`, the `k`th starting at `ts[k]`; `vals` is what each cost adds.
 fn slide(ts: &[u8], n: usize, vals: &[Sums; 16], mut f: impl FnMut(usize, Sums)) {
     if ts.len() < n {
         return;
     }
-    let mut s: Sums = ts[..n].iter().map(|&t| vals[t as usize]).sum();
+    let mut s: Sums = ts[..n].iter().map(|&t| val(vals, t)).sum();
     f(0, s);
     for (k, (&out, &inn)) in ts.iter().zip(&ts[n..]).enumerate() {
-        s = s + vals[inn as usize] - vals[out as usize];
+        s = s + val(vals, inn) - val(vals, out);
         f(k + 1, s);
     }
 }
@@ -817,6 +827,12 @@ pub(crate) fn ghost_available(st: &State<'_>, p: usize) -> bool {
 /// [`ghost_available_with`], or else, for `mover`'s stream, a ghost whose
 /// page may come back by stream order (see
 /// [`ArenaState::rebind_guard_for`]).
+///
+/// Inlined for its common case, a ghost whose page is in use where it is
+/// (neither way comes back): the window search asks this of thousands of
+/// pages per huge block, and the call itself cost about as much as the
+/// lookups (callgrind, gpt2-fixed warm pass).
+#[inline]
 pub(crate) fn ghost_available_for(
     st: &ArenaState,
     p: usize,
@@ -826,11 +842,25 @@ pub(crate) fn ghost_available_for(
     let Some(phys) = st.arena.mapping_at(p) else {
         return false;
     };
+    match st.arena.owner_and_pages(phys) {
+        (Some(q), 1) if st.arena.users(q) > 0 => false,
+        _ => ghost_idle_available_for(st, p, phys, any_pending, mover),
+    }
+}
+
+/// [`ghost_available_for`] for a ghost of physical unit `phys` that is
+/// not a single page in use where it is active.
+#[inline(never)]
+fn ghost_idle_available_for(
+    st: &ArenaState,
+    p: usize,
+    phys: usize,
+    any_pending: bool,
+    mover: Option<&Mover<'_>>,
+) -> bool {
     let held = st.arena.any_held();
     let free = match st.arena.owner_and_pages(phys) {
         (None, _) => true,
-        // In use where it is (the common case): neither way comes back.
-        (Some(q), 1) if st.arena.users(q) > 0 => return false,
         (Some(q), 1) => !any_pending || st.arena.page_guards_all(q, |g| st.is_complete(g)),
         (Some(_), _) => st.unit_free(phys),
     };
