@@ -256,3 +256,44 @@ fn a_forgotten_streams_free_is_reused_by_the_rules() {
     }
     pool.synchronize().unwrap();
 }
+
+/// Events recorded while a stream was alive, held by the caller and used
+/// after the stream is forgotten, bring it back neither into clocks nor
+/// into what is known complete. Caught: `wait_event` merging the event's
+/// whole clock (m's clock named s again); a host synchronisation with an
+/// event of s marking s synchronised again.
+#[test]
+fn old_events_bring_back_no_forgotten_stream() {
+    let dev = Arc::new(common::host_with_capacity(64 * MIB));
+    let pool = common::pool(&dev, common::config());
+    let (l, m) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    pool.free_async(pool.alloc_async(4096, m).unwrap(), m)
+        .unwrap();
+    let s = dev.create_stream().unwrap();
+    pool.free_async(pool.alloc_async(4096, s).unwrap(), s)
+        .unwrap();
+    let ev_s = pool.record_event(s).unwrap();
+    pool.wait_event(l, &ev_s).unwrap();
+    // l's event carries l's clock, which names s.
+    let ev_l = pool.record_event(l).unwrap();
+    pool.retire_stream(s).unwrap();
+    dev.synchronize_stream(s).unwrap();
+    dev.synchronize_stream(l).unwrap();
+    pool.trim_to(u64::MAX).unwrap();
+    let f = pool.stream_footprint();
+    assert_eq!((f.table, f.lingering, f.clock_entries), (2, 0, 0), "{f:?}");
+    assert_eq!(f.synced, 0, "{f:?}");
+
+    pool.wait_event(m, &ev_l).unwrap();
+    let f = pool.stream_footprint();
+    assert_eq!(f.clock_entries, 1, "m's clock names l only: {f:?}");
+    pool.synchronize_event(&ev_s).unwrap();
+    let f = pool.stream_footprint();
+    assert_eq!(f.synced, 0, "s is not known again: {f:?}");
+    pool.synchronize_event(&ev_l).unwrap();
+    let f = pool.stream_footprint();
+    assert_eq!(f.synced, 1, "l is: {f:?}");
+    drop((ev_s, ev_l));
+    dev.destroy_stream(s).unwrap();
+    pool.synchronize().unwrap();
+}
