@@ -2125,6 +2125,21 @@ impl Arena {
             .map(|(s, span)| (s, Window { span }))
     }
 
+    /// Whether a pending free range or a held mapping is guarded by an
+    /// epoch of `stream`.
+    pub fn names_stream(&self, stream: u64) -> bool {
+        self.pending.stream_at(stream).is_some()
+            || self
+                .holds
+                .values()
+                .any(|g| matches!(g, Guard::After { stream: s, .. } if *s == stream))
+    }
+
+    /// How many streams have free ranges pending.
+    pub fn pending_streams(&self) -> usize {
+        self.pending.streams.len()
+    }
+
     /// Whether any free range is pending (guarded by a stream's epoch).
     pub fn any_pending(&self) -> bool {
         !self.pending.is_empty()

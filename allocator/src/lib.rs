@@ -86,6 +86,8 @@ pub(crate) mod sync;
 
 pub use config::{PoolConfig, ReusePolicy};
 pub use error::{OomReport, PoolError};
+#[doc(hidden)]
+pub use pool::StreamFootprint;
 pub use pool::{default_pool, Allocation, FreeError, MemPool, PoolEvent, ALIGNMENT};
 pub use share::{ExportedAllocation, ImportedAllocation};
 pub use stats::PoolStats;

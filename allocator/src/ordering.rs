@@ -69,15 +69,35 @@ impl VectorClock {
         self.entries.is_empty()
     }
 
+    /// How many streams the clock names.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
     /// Every (stream, epoch) pair, in the order first raised.
     pub fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
         self.entries.iter().copied()
     }
 
     pub fn merge(&mut self, other: &VectorClock) {
+        self.merge_where(other, |_| true);
+    }
+
+    /// [`merge`](Self::merge), but a stream this clock does not name yet
+    /// joins it only if `keep` says so (asked once per such stream).
+    pub fn merge_where(&mut self, other: &VectorClock, mut keep: impl FnMut(u64) -> bool) {
         for &(s, e) in &other.entries {
-            self.raise(s, e);
+            match self.entries.iter_mut().find(|(t, _)| *t == s) {
+                Some((_, x)) => *x = (*x).max(e),
+                None if keep(s) => self.entries.push((s, e)),
+                None => {}
+            }
         }
+    }
+
+    /// Drop the entries of the streams `gone` says are gone.
+    pub fn forget(&mut self, mut gone: impl FnMut(u64) -> bool) {
+        self.entries.retain(|&(s, _)| !gone(s));
     }
 }
 
@@ -780,6 +800,18 @@ pub(crate) struct Completion {
 }
 
 impl Completion {
+    /// How many streams each map names (observed, synchronised).
+    pub fn sizes(&self) -> (usize, usize) {
+        (self.completed.len(), self.synced.len())
+    }
+
+    /// Drop what is known of `stream` (forgotten, and no guard names it
+    /// any more: nothing will ask).
+    fn forget(&mut self, stream: u64) {
+        self.completed.remove(&stream);
+        self.synced.remove(&stream);
+    }
+
     /// Highest epoch of `stream` observed complete by an event query.
     pub fn observed(&self, stream: u64) -> u64 {
         self.completed.get(&stream).copied().unwrap_or(0)
@@ -898,13 +930,70 @@ struct Retired {
 /// The stream table: an entry per stream met and not forgotten, and the
 /// ids of the retired streams dropped from it, under one lock (a stream
 /// leaves the map and joins `forgotten` at once, so a lookup never misses
-/// both). Ids are never reused, so a forgotten id only ever means
-/// "retired": it is kept (8 bytes) so that the stream is refused rather
-/// than met anew. Reads as the map.
+/// both). Reads as the map.
+///
+/// Ids are never reused, so a forgotten id only ever means "retired": a
+/// caller still using a stream it retired. It is refused rather than met
+/// anew, and that refusal is what makes forgetting safe: a stream met anew
+/// would start again at epoch 1, while events recorded before it was
+/// forgotten (a user may still hold them and wait on them) carry clocks
+/// that name its old epochs, which would then claim its new frees done.
+/// So the id stays: the one thing the pool keeps of a forgotten stream
+/// for its whole life. Kept as runs of consecutive ids ([`IdRuns`]):
+/// streams are made with ids counting up, so a process that creates and
+/// retires streams one after another leaves one run, not an id per stream
+/// (ids of streams this pool never met split the runs).
 #[derive(Default)]
 pub(crate) struct StreamTable {
     map: HashMap<u64, Arc<StreamEntry>>,
-    forgotten: std::collections::HashSet<u64, BuildIntHasher>,
+    forgotten: IdRuns,
+    /// Forgotten streams whose completion and clock entries are still
+    /// kept: until free ranges or held mappings guarded by their epochs
+    /// are gone (see [`StreamOrder::purge_forgotten`]).
+    unpurged: Vec<u64>,
+}
+
+/// A set of ids as runs of consecutive ids: first id of a run to its last.
+#[derive(Default, Debug)]
+pub(crate) struct IdRuns {
+    runs: std::collections::BTreeMap<u64, u64>,
+}
+
+impl IdRuns {
+    /// The run holding `id`, if any (first, last).
+    fn run_of(&self, id: u64) -> Option<(u64, u64)> {
+        self.runs
+            .range(..=id)
+            .next_back()
+            .filter(|(_, &last)| last >= id)
+            .map(|(&first, &last)| (first, last))
+    }
+
+    pub fn contains(&self, id: u64) -> bool {
+        self.run_of(id).is_some()
+    }
+
+    pub fn insert(&mut self, id: u64) {
+        if self.contains(id) {
+            return;
+        }
+        // The run ending just below `id` grows; the one starting just
+        // above it joins.
+        let below = id
+            .checked_sub(1)
+            .and_then(|b| self.run_of(b))
+            .map(|(first, _)| first);
+        let above = id
+            .checked_add(1)
+            .and_then(|a| self.runs.remove(&a).map(|last| (a, last)))
+            .map_or(id, |(_, last)| last);
+        self.runs.insert(below.unwrap_or(id), above);
+    }
+
+    /// How many runs.
+    pub fn runs(&self) -> usize {
+        self.runs.len()
+    }
 }
 
 impl std::ops::Deref for StreamTable {
@@ -1067,7 +1156,7 @@ impl<D: Device> StreamOrder<D> {
         };
         let mut table = self.streams.write().unwrap_or_else(|p| p.into_inner());
         // A forgotten stream was retired: refused, not met anew.
-        if table.forgotten.contains(&stream.id()) {
+        if table.forgotten.contains(stream.id()) {
             return Err(PoolError::StreamRetired { stream });
         }
         let e = table
@@ -1149,8 +1238,21 @@ impl<D: Device> StreamOrder<D> {
             let mut table = self.streams.write().unwrap_or_else(|p| p.into_inner());
             table.map.remove(&id);
             table.forgotten.insert(id);
+            table.unpurged.push(id);
             entry.forgotten.store(true, Ordering::Release);
             drop(table);
+            // Off the lists now rather than at their next pass: in a pool
+            // whose slow path seldom runs (or that never polls the watch
+            // list: no opportunistic reuse) they would keep every
+            // forgotten id.
+            if st.watched {
+                st.watched = false;
+                self.with_watch(|list| list.retain(|&s| s != id));
+            }
+            if st.listed {
+                st.listed = false;
+                lock(&self.busy).retain(|&s| s != id);
+            }
             drop(st);
             retired.waiting.swap_remove(i);
             forgotten += 1;
@@ -1158,6 +1260,122 @@ impl<D: Device> StreamOrder<D> {
         self.retired_waiting
             .store(!retired.waiting.is_empty(), Ordering::Release);
         forgotten
+    }
+
+    /// Whether the pool still needs to know of stream `id`: in the table,
+    /// or forgotten with guards still naming it. Takes the table's lock
+    /// (a leaf).
+    pub fn is_known(&self, id: u64) -> bool {
+        let t = self.streams.read().unwrap_or_else(|p| p.into_inner());
+        t.map.contains_key(&id) || t.unpurged.contains(&id)
+    }
+
+    /// Merge `other` into the clock of `st` (its stream's lock held): a
+    /// stream the clock does not name yet joins it only if the pool still
+    /// needs to know of it, so that an event recorded before a stream was
+    /// forgotten does not bring it back into clocks.
+    pub fn merge_clock(&self, st: &mut StreamState, other: &VectorClock) {
+        st.clock.merge_where(other, |id| self.is_known(id));
+    }
+
+    /// Whether forgotten streams still have completion or clock entries.
+    pub fn any_unpurged(&self) -> bool {
+        !self
+            .streams
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .unpurged
+            .is_empty()
+    }
+
+    /// Drop what is known of the forgotten streams that no guard names
+    /// any more; returns their ids, whose clock entries then go too
+    /// ([`StreamOrder::prune_clocks`], with no arena lock held). Caller
+    /// holds the arena's lock.
+    ///
+    /// A stream is forgotten only once all of its work was seen complete
+    /// (no frees without an event, every recorded event observed complete
+    /// or synchronised, no epoch waiting for a device-wide wait), so its
+    /// pending ranges are settled to `Complete` here by the same rule as
+    /// any completion ([`Completion::settled`]). What is left guarded by
+    /// its epochs (under a reuse policy without opportunistic reuse, a
+    /// free seen complete by an event query only: reused by others only
+    /// through a dependency) keeps its completion and the clock entries
+    /// that follow it, until those ranges are taken or settled; no new
+    /// guard can name a forgotten stream, since it can no longer free.
+    pub fn purge_forgotten(
+        &self,
+        arena: &mut Arena,
+        done: &mut Completion,
+        opportunistic: bool,
+    ) -> Vec<u64> {
+        let ids = {
+            let t = self.streams.read().unwrap_or_else(|p| p.into_inner());
+            if t.unpurged.is_empty() {
+                return Vec::new();
+            }
+            t.unpurged.clone()
+        };
+        let mut purged = Vec::new();
+        for id in ids {
+            let settled = done.settled(id, opportunistic);
+            arena.settle_streams(&[id], |g| match g {
+                Guard::After { stream, epoch } if stream == id && settled >= epoch => {
+                    Some(Guard::Complete)
+                }
+                _ => None,
+            });
+            if arena.names_stream(id) {
+                continue;
+            }
+            done.forget(id);
+            purged.push(id);
+        }
+        if !purged.is_empty() {
+            self.streams
+                .write()
+                .unwrap_or_else(|p| p.into_inner())
+                .unpurged
+                .retain(|id| !purged.contains(id));
+        }
+        purged
+    }
+
+    /// Drop the clock entries of the streams `purged` (see
+    /// [`StreamOrder::purge_forgotten`]) from every stream's clock.
+    pub fn prune_clocks(&self, purged: &[u64]) {
+        if purged.is_empty() {
+            return;
+        }
+        for (_, e) in self.all_streams() {
+            lock(&e.state).clock.forget(|s| purged.contains(&s));
+        }
+    }
+
+    /// What the stream table and its lists hold now, for
+    /// [`crate::MemPool::stream_footprint`]: entries in the table, runs of
+    /// ids refused as forgotten, forgotten streams whose ids guards still name,
+    /// clock entries summed over the table's streams, and the lengths of
+    /// the busy, watch and retired lists.
+    pub fn footprint(&self) -> [usize; 7] {
+        let (table, forgotten, unpurged) = {
+            let t = self.streams.read().unwrap_or_else(|p| p.into_inner());
+            (t.map.len(), t.forgotten.runs(), t.unpurged.len())
+        };
+        let clocks = self
+            .all_streams()
+            .iter()
+            .map(|(_, e)| lock(&e.state).clock.len())
+            .sum();
+        [
+            table,
+            forgotten,
+            unpurged,
+            clocks,
+            lock(&self.busy).len(),
+            lock(&self.watch).len(),
+            lock(&self.retired).waiting.len(),
+        ]
     }
 
     /// Streams in the table (tests: retired streams do not pile up).
@@ -1610,6 +1828,36 @@ impl<D: Device> StreamOrder<D> {
 mod tests {
     use super::*;
     use tidepool_sys::{FaultInjector, HostConfig, HostDevice, Op};
+
+    /// The runs hold exactly the ids inserted, whatever the order, and
+    /// consecutive ids make one run.
+    #[test]
+    fn id_runs_hold_what_was_inserted() {
+        let mut x = 0x2545_f491_4f6c_dd1d_u64;
+        for _ in 0..50 {
+            let mut runs = IdRuns::default();
+            let mut set = std::collections::HashSet::new();
+            for _ in 0..60 {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let id = x % 40;
+                runs.insert(id);
+                set.insert(id);
+            }
+            for id in 0..45 {
+                assert_eq!(runs.contains(id), set.contains(&id), "id {id}");
+            }
+            let starts = (0..45)
+                .filter(|&i| set.contains(&i) && (i == 0 || !set.contains(&(i - 1))))
+                .count();
+            assert_eq!(runs.runs(), starts, "one run per stretch of ids");
+        }
+        let mut edge = IdRuns::default();
+        edge.insert(u64::MAX);
+        edge.insert(0);
+        assert!(edge.contains(u64::MAX) && edge.contains(0) && !edge.contains(1));
+    }
 
     /// The slot of the last length cached and the map (long lengths) or
     /// the array (short ones) together hand out every block once, the

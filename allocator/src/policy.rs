@@ -247,7 +247,9 @@ fn grow_with_dependency<D: Device>(cx: &mut Ctx<'_, D>) -> Result<Option<usize>,
     }
     for record in &records {
         cx.pool.device.wait_event(cx.stream, record.event)?;
-        lock(&cx.entry.state).clock.merge(&record.clock);
+        cx.pool
+            .order
+            .merge_clock(&mut lock(&cx.entry.state), &record.clock);
         cx.clock.merge(&record.clock);
         Counters::bump(&cx.pool.counters.internal_dependencies);
         tracing::debug!(
@@ -288,7 +290,11 @@ fn wait_for_pending<D: Device>(cx: &mut Ctx<'_, D>) -> Result<Option<usize>, Poo
         let (done, more) = order.wait_records(&pending, deadline);
         let st = cx.st.insert(lock(cx.pool.arena));
         for rec in done {
-            st.done.mark_synced(rec.stream.id(), rec.epoch);
+            // Not for a stream forgotten during the wait that no guard
+            // names any more.
+            if order.is_known(rec.stream.id()) {
+                st.done.mark_synced(rec.stream.id(), rec.epoch);
+            }
         }
         observe(order, st, cx.reuse);
         cx.clock = lock(&cx.entry.state).clock.clone();
@@ -407,7 +413,8 @@ fn take_with_dependency<D: Device>(cx: &mut Ctx<'_, D>) -> Result<Option<usize>,
         }
         for record in &records {
             pool.device.wait_event(stream, record.event)?;
-            lock(&entry.state).clock.merge(&record.clock);
+            pool.order
+                .merge_clock(&mut lock(&entry.state), &record.clock);
             Counters::bump(&pool.counters.internal_dependencies);
             tracing::debug!(
                 pool = pool.id,

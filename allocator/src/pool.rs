@@ -217,6 +217,37 @@ pub(crate) struct PoolInner<D: Device> {
     pub raw: RawTable<Allocation>,
 }
 
+/// Sizes of what a pool keeps per stream ([`MemPool::stream_footprint`]).
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StreamFootprint {
+    /// Streams in the stream table.
+    pub table: usize,
+    /// Runs of consecutive ids of forgotten streams, kept to refuse them.
+    pub forgotten: usize,
+    /// Forgotten streams whose completion is still kept, because free
+    /// ranges or held mappings are still guarded by their epochs.
+    pub lingering: usize,
+    /// Streams with an epoch observed complete.
+    pub observed: usize,
+    /// Streams with an epoch the host synchronised with.
+    pub synced: usize,
+    /// Vector-clock entries, summed over the table's streams.
+    pub clock_entries: usize,
+    /// Streams in the busy list.
+    pub busy: usize,
+    /// Streams in the watch list.
+    pub watched: usize,
+    /// Retired streams waiting to be forgotten.
+    pub retired_waiting: usize,
+    /// Streams listed as holding headroom.
+    pub donors: usize,
+    /// Streams with free ranges pending in the arena.
+    pub pending_streams: usize,
+    /// Mappings held by a guard.
+    pub holds: usize,
+}
+
 /// A stream-ordered memory pool over a [`Device`].
 ///
 /// Cheap to clone (all clones are the same pool) and safe to share between
@@ -760,7 +791,9 @@ impl<D: Device> MemPool<D> {
         let entry = inner.order.entry(stream)?;
         inner.device.wait_event(stream, event.record.event)?;
         if event.pool == inner.id {
-            lock(&entry.state).clock.merge(&event.record.clock);
+            inner
+                .order
+                .merge_clock(&mut lock(&entry.state), &event.record.clock);
         }
         Ok(())
     }
@@ -889,6 +922,33 @@ impl<D: Device> MemPool<D> {
     pub fn pending_move_counts(&self) -> (u64, u64) {
         let st = lock(&self.inner.arena);
         (st.arena.pending_moves(), st.arena.pending_unmaps())
+    }
+
+    /// What the pool keeps per stream now, for tests of stream churn:
+    /// these sizes should follow the streams alive (and the frees still
+    /// pending), not every stream the pool ever met.
+    #[doc(hidden)]
+    pub fn stream_footprint(&self) -> StreamFootprint {
+        let inner = &*self.inner;
+        let [table, forgotten, lingering, clock_entries, busy, watched, retired_waiting] =
+            inner.order.footprint();
+        let donors = lock(&inner.counters.ledger).donors.len();
+        let st = lock(&inner.arena);
+        let (observed, synced) = st.done.sizes();
+        StreamFootprint {
+            table,
+            forgotten,
+            lingering,
+            observed,
+            synced,
+            clock_entries,
+            busy,
+            watched,
+            retired_waiting,
+            donors,
+            pending_streams: st.arena.pending_streams(),
+            holds: st.arena.holds().count(),
+        }
     }
 
     /// Reset the high-water marks to the current values.
@@ -1511,8 +1571,13 @@ impl<D: Device> PoolInner<D> {
     }
 
     /// Host-synchronised up to `epoch` on stream `id`.
+    /// A stream forgotten since (the wait held no lock) and that no guard
+    /// names any more gets no entry back.
     pub(crate) fn mark_synced(&self, id: u64, epoch: u64) {
-        lock(&self.arena).done.mark_synced(id, epoch);
+        let mut st = lock(&self.arena);
+        if self.order.is_known(id) {
+            st.done.mark_synced(id, epoch);
+        }
     }
 
     /// Finish counting an allocation whose stream lacked `missing` bytes of
@@ -1589,17 +1654,35 @@ impl<D: Device> PoolInner<D> {
     /// Drop from the stream table the retired streams nothing needs any
     /// more, keeping their counts (headroom to the ledger's unassigned
     /// bytes, the rest summed). Called with no lock held.
+    /// Then drop what is known of the forgotten streams that no guard
+    /// names any more ([`StreamOrder::purge_forgotten`]).
     #[cold]
     pub(crate) fn forget_retired(&self) {
-        let mut ledger = lock(&self.counters.ledger);
-        let ledger = &mut *ledger;
-        self.order.forget_retired(|st| {
-            let c = std::mem::take(&mut st.counters);
-            ledger.unassigned += c.headroom;
-            ledger.forgotten.allocs += c.allocs;
-            ledger.forgotten.frees += c.frees;
-            ledger.forgotten.cache_hits += c.cache_hits;
-        });
+        {
+            let mut ledger = lock(&self.counters.ledger);
+            let ledger = &mut *ledger;
+            self.order.forget_retired(|st| {
+                let c = std::mem::take(&mut st.counters);
+                ledger.unassigned += c.headroom;
+                ledger.forgotten.allocs += c.allocs;
+                ledger.forgotten.frees += c.frees;
+                ledger.forgotten.cache_hits += c.cache_hits;
+                if std::mem::take(&mut st.donor) {
+                    // Its headroom was just taken: off the donor list.
+                    let id = st.stream.id();
+                    ledger.donors.retain(|&d| d != id);
+                }
+            });
+        }
+        if self.order.any_unpurged() {
+            let opportunistic = self.opportunistic.load(Ordering::Relaxed);
+            let purged = {
+                let mut st = lock(&self.arena);
+                let ArenaState { arena, done, .. } = &mut *st;
+                self.order.purge_forgotten(arena, done, opportunistic)
+            };
+            self.order.prune_clocks(&purged);
+        }
     }
 
     /// Bytes in live allocations now.
