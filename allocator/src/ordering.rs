@@ -1129,7 +1129,11 @@ impl<D: Device> StreamOrder<D> {
             }
         }
         if let Some(e) = recent_entries::get(self.pool, stream.id()) {
-            return Ok(e);
+            // A thread keeps the entry of a stream forgotten since: the
+            // table refuses that stream, and so must this.
+            if !e.forgotten.load(Ordering::Acquire) {
+                return Ok(e);
+            }
         }
         let e = self.entry_from_table(stream)?;
         recent_entries::put(self.pool, stream.id(), &e);
@@ -1262,6 +1266,15 @@ impl<D: Device> StreamOrder<D> {
         forgotten
     }
 
+    /// Whether `stream` was retired and then forgotten by the pool.
+    pub fn is_forgotten(&self, stream: Stream) -> bool {
+        self.streams
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .forgotten
+            .contains(stream.id())
+    }
+
     /// Whether the pool still needs to know of stream `id`: in the table,
     /// or forgotten with guards still naming it. Takes the table's lock
     /// (a leaf).
@@ -1276,6 +1289,16 @@ impl<D: Device> StreamOrder<D> {
     /// forgotten does not bring it back into clocks.
     pub fn merge_clock(&self, st: &mut StreamState, other: &VectorClock) {
         st.clock.merge_where(other, |id| self.is_known(id));
+    }
+
+    /// The forgotten streams whose completion and clock entries are still
+    /// kept (free ranges or held mappings guarded by their epochs).
+    pub fn unpurged_ids(&self) -> Vec<u64> {
+        self.streams
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .unpurged
+            .clone()
     }
 
     /// Whether forgotten streams still have completion or clock entries.

@@ -660,9 +660,16 @@ impl<D: Device> MemPool<D> {
                 gone_user = Some(user);
                 continue;
             }
-            let ordered = self
-                .record_event(user)
-                .and_then(|ev| self.wait_event(stream, &ev));
+            let ordered = match self.record_event(user) {
+                Ok(ev) => self.wait_event(stream, &ev),
+                // Retired and forgotten by the pool, but still running
+                // (its entry is gone, not its driver stream): ordered
+                // after it by a device event of its own.
+                Err(PoolError::StreamRetired { .. }) if inner.order.is_forgotten(user) => {
+                    inner.wait_for_forgotten(stream, user)
+                }
+                Err(e) => Err(e),
+            };
             if let Err(e) = ordered {
                 // Another device's stream can never be ordered before this
                 // free: report it, and hand the allocation back without it
@@ -859,6 +866,7 @@ impl<D: Device> MemPool<D> {
         if inner.order.retired_waiting() {
             inner.forget_retired();
         }
+        inner.purge_forgotten(true);
         inner.release_to_threshold()
     }
 
@@ -1561,6 +1569,23 @@ impl<D: Device> PoolInner<D> {
         Ok(())
     }
 
+    /// Make `stream` wait for the work queued so far on `user`, a stream
+    /// the pool has forgotten (retired, all its frees complete) but whose
+    /// driver stream still runs: an event recorded on it directly, with
+    /// nothing of the pool's per-stream state (it has none left).
+    fn wait_for_forgotten(&self, stream: Stream, user: Stream) -> Result<(), PoolError> {
+        let event = self.device.create_event()?;
+        let waited = self
+            .device
+            .record_event(event, user)
+            .and_then(|()| self.device.wait_event(stream, event));
+        // The wait holds what it needs of the event: it may go now.
+        let destroyed = self.device.destroy_event(event);
+        waited?;
+        destroyed?;
+        Ok(())
+    }
+
     /// Wait device-wide for the frees of streams destroyed before an
     /// event could be recorded on them (see
     /// [`StreamOrder::settle_orphans`]); each settled epoch is recorded as
@@ -1674,15 +1699,32 @@ impl<D: Device> PoolInner<D> {
                 }
             });
         }
-        if self.order.any_unpurged() {
-            let opportunistic = self.opportunistic.load(Ordering::Relaxed);
-            let purged = {
-                let mut st = lock(&self.arena);
-                let ArenaState { arena, done, .. } = &mut *st;
-                self.order.purge_forgotten(arena, done, opportunistic)
-            };
-            self.order.prune_clocks(&purged);
+        self.purge_forgotten(false);
+    }
+
+    /// Drop what is known of the forgotten streams that no guard names
+    /// any more ([`StreamOrder::purge_forgotten`]). `synced`: the host
+    /// has just waited for all the device's work (a pool-wide
+    /// synchronise), so the frees still guarded by a forgotten stream's
+    /// epochs, whose work was seen complete before it was forgotten, are
+    /// synchronised too: reusable by every stream, whatever the policy.
+    fn purge_forgotten(&self, synced: bool) {
+        if !self.order.any_unpurged() {
+            return;
         }
+        let opportunistic = self.opportunistic.load(Ordering::Relaxed);
+        let purged = {
+            let mut st = lock(&self.arena);
+            let ArenaState { arena, done, .. } = &mut *st;
+            if synced {
+                for id in self.order.unpurged_ids() {
+                    let seen = done.observed(id);
+                    done.mark_synced(id, seen);
+                }
+            }
+            self.order.purge_forgotten(arena, done, opportunistic)
+        };
+        self.order.prune_clocks(&purged);
     }
 
     /// Bytes in live allocations now.
