@@ -844,6 +844,10 @@ impl<D: Device> MemPool<D> {
                 if let Some(last) = last {
                     inner.device.synchronize_event(last.event)?;
                     inner.mark_synced(id, last.epoch);
+                    // Its events up to that one are done (stream order):
+                    // none is left to query, so the stream can be
+                    // forgotten below rather than at a later slow path.
+                    lock(&entry.state).recorded.retain(|r| r.epoch > last.epoch);
                 }
                 continue;
             }
