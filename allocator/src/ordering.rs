@@ -951,7 +951,20 @@ pub(crate) struct StreamTable {
     /// kept: until free ranges or held mappings guarded by their epochs
     /// are gone (see [`StreamOrder::purge_forgotten`]).
     unpurged: Vec<u64>,
+    /// Forgotten streams destroyed since, with a free that declared them
+    /// as users: the epoch guarding those frees ([`ORPHAN_EPOCH`]), complete only once a
+    /// device-wide wait saw the work queued on them end
+    /// ([`StreamOrder::orphan_forgotten`], [`StreamOrder::settle_orphans`]).
+    forgotten_orphans: Vec<(u64, u64)>,
 }
+
+/// The epoch guarding frees whose declared user was forgotten by the
+/// pool and destroyed since ([`StreamOrder::orphan_forgotten`]): above any
+/// epoch a stream reaches, so that no clock of an event recorded on it
+/// before it was forgotten (a caller may still wait on one) covers it.
+/// The pool may have dropped what it knew of the stream's epochs, so
+/// "one past its last" cannot be worked out.
+const ORPHAN_EPOCH: u64 = u64::MAX / 2;
 
 /// A set of ids as runs of consecutive ids: first id of a run to its last.
 #[derive(Default, Debug)]
@@ -1264,6 +1277,26 @@ impl<D: Device> StreamOrder<D> {
         self.retired_waiting
             .store(!retired.waiting.is_empty(), Ordering::Release);
         forgotten
+    }
+
+    /// The epoch that guards a free whose declared user `id`, a stream
+    /// the pool has forgotten, was destroyed since: its queued work still
+    /// runs, and only a device-wide wait sees it end, as for the frees of
+    /// a stream destroyed without retirement. The epoch is
+    /// [`ORPHAN_EPOCH`] for every such free until
+    /// [`StreamOrder::settle_orphans`] settles it; the stream is kept
+    /// among the forgotten streams the pool still knows of until then.
+    /// Caller holds the arena's lock.
+    pub fn orphan_forgotten(&self, id: u64) -> u64 {
+        let mut t = self.streams.write().unwrap_or_else(|p| p.into_inner());
+        let epoch = ORPHAN_EPOCH;
+        if !t.forgotten_orphans.contains(&(id, epoch)) {
+            t.forgotten_orphans.push((id, epoch));
+        }
+        if !t.unpurged.contains(&id) {
+            t.unpurged.push(id);
+        }
+        epoch
     }
 
     /// Whether `stream` was retired and then forgotten by the pool.
@@ -1729,10 +1762,17 @@ impl<D: Device> StreamOrder<D> {
     /// since a device-wide wait would break that capture.
     pub fn settle_orphans(&self, mut mark: impl FnMut(u64, u64)) -> Result<bool, PoolError> {
         let all = self.all_streams();
-        let orphans: Vec<(u64, u64)> = all
+        let mut orphans: Vec<(u64, u64)> = all
             .iter()
             .filter_map(|(id, e)| lock(&e.state).orphaned.map(|epoch| (*id, epoch)))
             .collect();
+        let forgotten_orphans = self
+            .streams
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .forgotten_orphans
+            .clone();
+        orphans.extend(forgotten_orphans.iter().copied());
         if orphans.is_empty() {
             return Ok(true);
         }
@@ -1756,6 +1796,13 @@ impl<D: Device> StreamOrder<D> {
              synchronising the device to learn when those frees complete"
         );
         self.device.synchronize_device()?;
+        if !forgotten_orphans.is_empty() {
+            self.streams
+                .write()
+                .unwrap_or_else(|p| p.into_inner())
+                .forgotten_orphans
+                .retain(|o| !forgotten_orphans.contains(o));
+        }
         for (id, epoch) in orphans {
             mark(id, epoch);
             if let Some((_, e)) = all.iter().find(|(i, _)| *i == id) {

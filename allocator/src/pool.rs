@@ -1534,7 +1534,12 @@ impl<D: Device> PoolInner<D> {
         size: u64,
     ) -> Result<(), PoolError> {
         let entry = self.order.entry(stream)?;
-        let user_entry = self.order.entry(user)?;
+        // A user the pool has forgotten has no entry to hold the epoch.
+        let user_entry = match self.order.entry(user) {
+            Ok(e) => Some(e),
+            Err(PoolError::StreamRetired { .. }) if self.order.is_forgotten(user) => None,
+            Err(e) => return Err(e),
+        };
         let mut arena = lock(&self.arena);
         let new_donor = {
             let mut st = lock(&entry.state);
@@ -1544,11 +1549,14 @@ impl<D: Device> PoolInner<D> {
             self.counters.on_free(&mut st.counters, size);
             !std::mem::replace(&mut st.donor, true)
         };
-        let epoch = {
-            let mut u = lock(&user_entry.state);
-            u.frees_in_epoch = true;
-            u.close_epoch_orphaned();
-            u.orphaned.expect("an epoch with a free was just closed")
+        let epoch = match &user_entry {
+            Some(user_entry) => {
+                let mut u = lock(&user_entry.state);
+                u.frees_in_epoch = true;
+                u.close_epoch_orphaned();
+                u.orphaned.expect("an epoch with a free was just closed")
+            }
+            None => self.order.orphan_forgotten(user.id()),
         };
         let opportunistic = self.opportunistic.load(Ordering::Relaxed);
         let ArenaState { arena: a, done, .. } = &mut *arena;

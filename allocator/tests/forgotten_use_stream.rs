@@ -7,6 +7,7 @@
 mod common;
 
 use std::sync::Arc;
+use tidepool::ReusePolicy;
 use tidepool_sys::Device;
 
 const MIB: usize = 1 << 20;
@@ -50,4 +51,89 @@ fn a_free_waits_for_work_queued_on_a_forgotten_use_stream() {
     let st = pool.stats();
     assert_eq!(st.used_current, 0, "{st:?}");
     dev.destroy_stream(u).unwrap();
+}
+
+/// The use stream forgotten and then destroyed with work still queued on
+/// it: the free succeeds, and the block goes to no other stream until a
+/// device-wide wait saw that work end, not even to one that waited on an
+/// event the pool recorded on the use stream before it forgot it. The
+/// pool has one page, the rest of it full of t's blocks, and neither
+/// internal dependencies nor host waits: t either reuses the block or
+/// runs out of memory.
+#[test]
+fn a_destroyed_forgotten_use_stream_holds_the_block_until_a_device_wide_wait() {
+    const BLOCK: usize = 64 << 10;
+    let dev = Arc::new(common::host_with_capacity(64 * MIB));
+    let pool = common::pool(
+        &dev,
+        common::config()
+            .with_max_size(common::PAGE as u64)
+            .with_stream_cache_bytes(0)
+            .with_reuse(ReusePolicy {
+                follow_event_dependencies: true,
+                opportunistic: true,
+                internal_dependencies: false,
+                wait_for_pending_frees: false,
+            }),
+    );
+    let (a, u, t) = (
+        dev.create_stream().unwrap(),
+        dev.create_stream().unwrap(),
+        dev.create_stream().unwrap(),
+    );
+    let mut x = pool.alloc_async(BLOCK, a).unwrap();
+    pool.free_async(pool.alloc_async(BLOCK, u).unwrap(), u)
+        .unwrap();
+    pool.record_use(&mut x, u);
+    let old = pool.record_event(u).unwrap();
+    pool.retire_stream(u).unwrap();
+    dev.synchronize_stream(u).unwrap();
+    pool.trim_to(u64::MAX).unwrap();
+    assert_eq!(
+        pool.stream_footprint().table,
+        1,
+        "u forgotten (a alone left)"
+    );
+    let mut kept = vec![];
+    while let Ok(k) = pool.alloc_async(BLOCK, t) {
+        kept.push(k);
+    }
+    assert_eq!(kept.len(), common::PAGE / BLOCK - 1, "the page is full");
+    // Work on u after the pool forgot it, still queued when u is destroyed.
+    let mut late = common::Blocker::on(&*dev, u);
+    dev.destroy_stream(u).unwrap();
+    let ptr = x.ptr();
+    pool.free_async(x, a).unwrap();
+    pool.synchronize_stream(a).unwrap();
+    // t waits on the event of u recorded before u was forgotten: that
+    // orders t after u's work then, not after the work queued since.
+    pool.wait_event(t, &old).unwrap();
+    match pool.alloc_async(BLOCK, t) {
+        Ok(y) => panic!(
+            "t got a block at {:#x} (the freed one: {ptr:#x}) while the destroyed u still uses it",
+            y.ptr()
+        ),
+        Err(e) => assert!(e.is_out_of_memory(), "{e}"),
+    }
+    assert!(!late.done(), "u's queued work ran early");
+    late.release();
+    // A device-wide wait (synchronize) sees u's work end.
+    pool.synchronize().unwrap();
+    let y = pool
+        .alloc_async(BLOCK, t)
+        .expect("after a device-wide wait the block is t's");
+    assert_eq!(y.ptr(), ptr);
+    pool.free_async(y, t).unwrap();
+    for k in kept {
+        pool.free_async(k, t).unwrap();
+    }
+    pool.synchronize().unwrap();
+    pool.trim_to(0).unwrap();
+    let st = pool.stats();
+    assert_eq!((st.used_current, st.reserved_current), (0, 0), "{st:?}");
+    assert_eq!(
+        pool.stream_footprint().lingering,
+        0,
+        "u is purged after the wait"
+    );
 }
