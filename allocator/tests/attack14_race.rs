@@ -16,7 +16,7 @@ use common::Rng;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
-use tidepool::{MemPool, ReusePolicy};
+use tidepool::ReusePolicy;
 use tidepool_sys::{Device, DevicePtr, HostDevice, Stream};
 
 const MIB: usize = 1 << 20;
