@@ -41,3 +41,40 @@ fn an_event_on_a_forgotten_stream_is_refused_from_the_thread_that_used_it() {
     assert_eq!((f.busy, f.watched), (0, 0), "{f:?}");
     dev.destroy_stream(s).unwrap();
 }
+
+/// Whatever the thread that still holds a forgotten stream's entry can
+/// record on it, the pool's lists drop the forgotten id again once the
+/// pool waits for everything; many such events keep nothing.
+#[test]
+fn events_on_a_forgotten_stream_leave_nothing_on_the_lists() {
+    let dev = Arc::new(common::host_with_capacity(64 * MIB));
+    let pool = common::pool(&dev, common::config());
+    let l = dev.create_stream().unwrap();
+    let s = dev.create_stream().unwrap();
+    pool.free_async(pool.alloc_async(4096, s).unwrap(), s)
+        .unwrap();
+    pool.retire_stream(s).unwrap();
+    dev.synchronize_stream(s).unwrap();
+    pool.trim_to(u64::MAX).unwrap();
+    let mut recorded = 0;
+    let mut most = 0;
+    for _ in 0..100 {
+        if let Ok(ev) = pool.record_event(s) {
+            recorded += 1;
+            pool.wait_event(l, &ev).unwrap();
+        }
+        pool.free_async(pool.alloc_async(1 << 20, l).unwrap(), l)
+            .unwrap();
+        let f = pool.stream_footprint();
+        most = most.max(f.busy + f.watched);
+    }
+    eprintln!("{recorded} events recorded on the forgotten stream; busy + watched at most {most}");
+    assert!(most <= 4, "lists grow: {most}");
+    dev.synchronize_stream(s).unwrap();
+    pool.synchronize().unwrap();
+    pool.trim_to(u64::MAX).unwrap();
+    let f = pool.stream_footprint();
+    assert_eq!((f.table, f.busy, f.watched), (1, 0, 0), "{f:?}");
+    assert_eq!((f.observed, f.synced, f.clock_entries), (0, 1, 0), "{f:?}");
+    dev.destroy_stream(s).unwrap();
+}
