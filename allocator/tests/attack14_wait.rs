@@ -147,3 +147,24 @@ fn internal_dependencies_reach_a_forgotten_streams_complete_free() {
     su.pool.free_async(a, su.t).unwrap();
     teardown(su);
 }
+
+/// A host wait on an old event of the forgotten stream: the one from
+/// before the free gives nobody the block, the one after it makes it free
+/// for every stream.
+#[test]
+fn a_host_wait_on_an_old_event_settles_the_frees_before_it_only() {
+    let su = setup(true, false);
+    su.pool.synchronize_event(&su.before).unwrap();
+    oom(
+        su.pool.alloc_async(BLOCK, su.t),
+        "t after a wait before the free",
+    );
+    su.pool.synchronize_event(&su.after).unwrap();
+    let z = su
+        .pool
+        .alloc_async(BLOCK, su.t)
+        .expect("the host waited for s's free");
+    assert_eq!(z.ptr(), su.addr);
+    su.pool.free_async(z, su.t).unwrap();
+    teardown(su);
+}
