@@ -189,3 +189,16 @@ fn churned_streams_late_writes_never_land_in_live_blocks_without_opportunistic_r
         300,
     );
 }
+
+#[test]
+fn churned_streams_late_writes_never_land_in_live_blocks_no_dependencies() {
+    race(
+        ReusePolicy {
+            follow_event_dependencies: false,
+            opportunistic: true,
+            internal_dependencies: false,
+            wait_for_pending_frees: true,
+        },
+        300,
+    );
+}
