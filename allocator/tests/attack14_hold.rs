@@ -66,8 +66,8 @@ fn hold(reuse: ReusePolicy) {
         dev.synchronize_stream(s).unwrap();
         dev.destroy_stream(s).unwrap();
         pool.synchronize().unwrap();
-        // The trim queries the events left: s is done and forgotten
-        // (`synchronize` alone leaves it: see attack14_syncforget.rs).
+        // s is done and forgotten (by `synchronize`, or by the trim's
+        // query of the events left).
         pool.trim_to(u64::MAX).unwrap();
         let f = pool.stream_footprint();
         assert_eq!((f.table, f.retired_waiting), (1, 0), "round {round}: {f:?}");
@@ -84,12 +84,9 @@ fn hold(reuse: ReusePolicy) {
     assert_eq!(st.reserved_current, 0, "{st:?}");
     let f = pool.stream_footprint();
     assert_eq!((f.table, f.clock_entries), (0, 0), "{f:?}");
-    if reuse.opportunistic {
-        assert_eq!(f.lingering, 0, "{f:?}");
-    }
-    // Without opportunistic reuse a forgotten stream's free seen complete
-    // by a query only stays guarded even after `synchronize` (the ignored
-    // test in attack14_sync.rs): its completion entry lingers.
+    // Whatever the policy: after `synchronize` a forgotten stream's frees
+    // are synchronised, so nothing of it lingers.
+    assert_eq!(f.lingering, 0, "{f:?}");
 }
 
 #[test]

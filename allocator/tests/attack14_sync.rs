@@ -97,12 +97,11 @@ fn synchronize_frees_a_retired_streams_block_before_it_is_forgotten() {
     synchronize_frees_a_retired_streams_block(false);
 }
 
-/// After s is forgotten, `synchronize` walks the stream table only: s's
-/// last epoch is never marked synchronised, its block stays guarded (t:
-/// out of memory with everything synchronised; only a stream that waited
-/// on an old event of s could take it).
+/// After s is forgotten, s is no longer in the stream table that
+/// `synchronize` walks; its block, still guarded by s's epoch, must all
+/// the same be free for t once everything was synchronised (and not stay
+/// reusable only by a stream that waited on an old event of s).
 #[test]
-#[ignore = "defect: MemPool::synchronize skips forgotten streams whose frees are still guarded (unpurged), so a host-wide wait does not make them reusable: false out-of-memory"]
 fn synchronize_frees_a_forgotten_streams_block() {
     synchronize_frees_a_retired_streams_block(true);
 }

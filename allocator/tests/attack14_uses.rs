@@ -59,11 +59,11 @@ fn free_with_a_retired_use_stream_not_yet_forgotten() {
     free_with_a_retired_use_stream(false);
 }
 
-/// The free is refused (`StreamRetired`) from a thread that does not hold
-/// u's entry, and the allocation comes back with the use still declared:
-/// every later free of it is refused the same way, and the block leaks.
+/// The pool keeps no entry of u, so the free cannot order itself after u
+/// through the pool's events: it must still succeed (from a thread that
+/// does not hold u's entry), not come back with the use still declared
+/// and be refused for ever.
 #[test]
-#[ignore = "defect: free_slow orders declared uses through record_event(user), which refuses a retired-and-forgotten user stream that is still alive (StreamRetired); the block can never be freed"]
 fn free_with_a_forgotten_use_stream() {
     free_with_a_retired_use_stream(true);
 }
@@ -104,13 +104,11 @@ fn free_with_a_forgotten_destroyed_use_stream(same_thread: bool) {
 }
 
 #[test]
-#[ignore = "defect: free_after_gone_user takes the forgotten user's entry from the thread's recent entries and leaves an orphaned epoch on it; settle_orphans walks the table only, so the block stays guarded for ever: trim_to(0) leaves its page reserved"]
 fn free_with_a_forgotten_destroyed_use_stream_same_thread() {
     free_with_a_forgotten_destroyed_use_stream(true);
 }
 
 #[test]
-#[ignore = "defect: free_after_gone_user looks the forgotten user up with order.entry(user), refused with StreamRetired: the block can never be freed"]
 fn free_with_a_forgotten_destroyed_use_stream_other_thread() {
     free_with_a_forgotten_destroyed_use_stream(false);
 }
