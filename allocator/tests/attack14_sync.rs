@@ -11,28 +11,9 @@
 mod common;
 
 use std::sync::Arc;
-use tidepool::{MemPool, ReusePolicy};
-use tidepool_sys::{Device, HostDevice};
+use tidepool_sys::Device;
 
 const MIB: usize = 1 << 20;
-const PAGE: usize = common::PAGE;
-
-/// Reuse rules without the cache, none of the pool's own waits, and room
-/// for `pages` pages only: a request that cannot reuse a free fails.
-fn strict_pool(dev: &Arc<HostDevice>, opportunistic: bool, pages: u64) -> MemPool<HostDevice> {
-    common::pool(
-        dev,
-        common::config()
-            .with_max_size(pages * PAGE as u64)
-            .with_stream_cache_bytes(0)
-            .with_reuse(ReusePolicy {
-                follow_event_dependencies: true,
-                opportunistic,
-                internal_dependencies: false,
-                wait_for_pending_frees: false,
-            }),
-    )
-}
 
 /// s frees a block of a page full of t's live blocks (a page with live
 /// blocks is not remapped), is retired, its work runs, and the pool
@@ -43,15 +24,11 @@ fn strict_pool(dev: &Arc<HostDevice>, opportunistic: bool, pages: u64) -> MemPoo
 fn synchronize_frees_a_retired_streams_block(forget: bool) {
     const BLOCK: usize = 64 << 10;
     let dev = Arc::new(common::host_with_capacity(64 * MIB));
-    let pool = strict_pool(&dev, false, 1);
+    let pool = common::pool(&dev, common::strict_config(1, true, false));
     let (s, t) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
     let x = pool.alloc_async(BLOCK, s).unwrap();
     let addr = x.ptr();
-    let mut kept = vec![];
-    while let Ok(k) = pool.alloc_async(BLOCK, t) {
-        kept.push(k);
-    }
-    assert_eq!(kept.len(), PAGE / BLOCK - 1, "the page is full");
+    let kept = common::fill_page_but_one(&pool, t, BLOCK);
     let mut hold = common::Blocker::on(&*dev, s);
     pool.free_async(x, s).unwrap();
     pool.retire_stream(s).unwrap();

@@ -50,11 +50,7 @@ fn setup(follow: bool, internal: bool) -> Setup {
     let (s, t) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
     let x = pool.alloc_async(BLOCK, s).unwrap();
     let addr = x.ptr();
-    let mut kept = vec![];
-    while let Ok(k) = pool.alloc_async(BLOCK, t) {
-        kept.push(k);
-    }
-    assert_eq!(kept.len(), PAGE / BLOCK - 1, "the page is full");
+    let kept = common::fill_page_but_one(&pool, t, BLOCK);
     let before = pool.record_event(s).unwrap();
     pool.free_async(x, s).unwrap();
     let after = pool.record_event(s).unwrap();

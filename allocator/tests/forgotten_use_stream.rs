@@ -7,7 +7,6 @@
 mod common;
 
 use std::sync::Arc;
-use tidepool::ReusePolicy;
 use tidepool_sys::Device;
 
 const MIB: usize = 1 << 20;
@@ -64,18 +63,7 @@ fn a_free_waits_for_work_queued_on_a_forgotten_use_stream() {
 fn a_destroyed_forgotten_use_stream_holds_the_block_until_a_device_wide_wait() {
     const BLOCK: usize = 64 << 10;
     let dev = Arc::new(common::host_with_capacity(64 * MIB));
-    let pool = common::pool(
-        &dev,
-        common::config()
-            .with_max_size(common::PAGE as u64)
-            .with_stream_cache_bytes(0)
-            .with_reuse(ReusePolicy {
-                follow_event_dependencies: true,
-                opportunistic: true,
-                internal_dependencies: false,
-                wait_for_pending_frees: false,
-            }),
-    );
+    let pool = common::pool(&dev, common::strict_config(1, true, true));
     let (a, u, t) = (
         dev.create_stream().unwrap(),
         dev.create_stream().unwrap(),
@@ -94,11 +82,7 @@ fn a_destroyed_forgotten_use_stream_holds_the_block_until_a_device_wide_wait() {
         1,
         "u forgotten (a alone left)"
     );
-    let mut kept = vec![];
-    while let Ok(k) = pool.alloc_async(BLOCK, t) {
-        kept.push(k);
-    }
-    assert_eq!(kept.len(), common::PAGE / BLOCK - 1, "the page is full");
+    let kept = common::fill_page_but_one(&pool, t, BLOCK);
     // Work on u after the pool forgot it, still queued when u is destroyed.
     let mut late = common::Blocker::on(&*dev, u);
     dev.destroy_stream(u).unwrap();

@@ -131,23 +131,6 @@ fn churned_streams_leave_nothing_behind() {
     assert_bounded(churn(reuse, 3000, 100), 32, 96);
 }
 
-/// Reuse rules without the cache, none of the pool's own waits, and room
-/// for `pages` pages only: a request that cannot reuse a free fails.
-fn strict_pool(dev: &Arc<HostDevice>, opportunistic: bool, pages: u64) -> MemPool<HostDevice> {
-    common::pool(
-        dev,
-        common::config()
-            .with_max_size(pages * PAGE as u64)
-            .with_stream_cache_bytes(0)
-            .with_reuse(ReusePolicy {
-                follow_event_dependencies: true,
-                opportunistic,
-                internal_dependencies: false,
-                wait_for_pending_frees: false,
-            }),
-    )
-}
-
 const PAGE: usize = common::PAGE;
 
 /// A page freed on a retired stream whose work is still running is not
@@ -159,7 +142,7 @@ const PAGE: usize = common::PAGE;
 #[test]
 fn a_retired_streams_running_free_waits_then_nothing_is_kept() {
     let dev = Arc::new(common::host_with_capacity(64 * MIB));
-    let pool = strict_pool(&dev, true, 2);
+    let pool = common::pool(&dev, common::strict_config(2, true, true));
     let (s, t) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
     let kt = pool.alloc_async(PAGE, t).unwrap();
     let mut hold = common::Blocker::on(&*dev, s);
@@ -208,7 +191,7 @@ fn a_retired_streams_running_free_waits_then_nothing_is_kept() {
 fn a_forgotten_streams_free_is_reused_by_the_rules() {
     const BLOCK: usize = 64 << 10;
     let dev = Arc::new(common::host_with_capacity(64 * MIB));
-    let pool = strict_pool(&dev, false, 1);
+    let pool = common::pool(&dev, common::strict_config(1, true, false));
     let (s, t, u) = (
         dev.create_stream().unwrap(),
         dev.create_stream().unwrap(),

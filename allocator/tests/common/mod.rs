@@ -8,7 +8,7 @@ pub mod wrap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
-use tidepool::{Allocation, MemPool, PoolConfig};
+use tidepool::{Allocation, MemPool, PoolConfig, ReusePolicy};
 use tidepool_sys::{Device, DevicePtr, HostConfig, HostDevice, Stream};
 
 /// Granularity = the pool's page size in these tests.
@@ -36,6 +36,36 @@ pub fn config() -> PoolConfig {
 
 pub fn pool<D: Device>(dev: &Arc<D>, cfg: PoolConfig) -> MemPool<D> {
     MemPool::new(dev.clone(), cfg).expect("pool creation")
+}
+
+/// Room for `pages` pages, no stream cache, and neither internal
+/// dependencies nor host waits: a request that cannot reuse a free under
+/// the two reuse switches given fails at once.
+pub fn strict_config(pages: u64, follow: bool, opportunistic: bool) -> PoolConfig {
+    config()
+        .with_max_size(pages * PAGE as u64)
+        .with_stream_cache_bytes(0)
+        .with_reuse(ReusePolicy {
+            follow_event_dependencies: follow,
+            opportunistic,
+            internal_dependencies: false,
+            wait_for_pending_frees: false,
+        })
+}
+
+/// Allocate `block`-byte blocks on `stream` until the pool has no more
+/// room, and check that they filled the one page left but one block.
+pub fn fill_page_but_one<D: Device>(
+    pool: &MemPool<D>,
+    stream: Stream,
+    block: usize,
+) -> Vec<Allocation> {
+    let mut kept = vec![];
+    while let Ok(k) = pool.alloc_async(block, stream) {
+        kept.push(k);
+    }
+    assert_eq!(kept.len(), PAGE / block - 1, "the page is full");
+    kept
 }
 
 pub fn streams<D: Device>(dev: &D, n: usize) -> Vec<Stream> {
