@@ -1794,6 +1794,10 @@ impl<D: Device> PoolInner<D> {
         if self.order.retired_waiting() {
             // Completions were just observed: retired streams may be done.
             self.forget_retired();
+        } else {
+            // The trim may have dropped the last ranges or held mappings
+            // guarded by a forgotten stream's epochs.
+            self.purge_forgotten(false);
         }
         if released > 0 {
             tracing::debug!(pool = self.id, released, target, "trimmed");
