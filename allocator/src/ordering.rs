@@ -1299,6 +1299,21 @@ impl<D: Device> StreamOrder<D> {
         epoch
     }
 
+    /// Make `stream` wait for the work queued so far on `other`, a stream
+    /// the pool keeps no state of (forgotten: retired, all its frees
+    /// complete) but whose driver stream still runs: an event of the
+    /// pool's recycler recorded on it directly, no epoch closed.
+    pub fn wait_for_stateless(&self, stream: Stream, other: Stream) -> Result<(), PoolError> {
+        let event = self.events.acquire()?;
+        let waited = self
+            .device
+            .record_event(event, other)
+            .and_then(|()| self.device.wait_event(stream, event));
+        // The wait holds what it needs of the event: it may be reused.
+        self.events.release(event);
+        Ok(waited?)
+    }
+
     /// Whether `stream` was retired and then forgotten by the pool.
     pub fn is_forgotten(&self, stream: Stream) -> bool {
         self.streams

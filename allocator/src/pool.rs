@@ -666,7 +666,7 @@ impl<D: Device> MemPool<D> {
                 // (its entry is gone, not its driver stream): ordered
                 // after it by a device event of its own.
                 Err(PoolError::StreamRetired { .. }) if inner.order.is_forgotten(user) => {
-                    inner.wait_for_forgotten(stream, user)
+                    inner.order.wait_for_stateless(stream, user)
                 }
                 Err(e) => Err(e),
             };
@@ -1578,23 +1578,6 @@ impl<D: Device> PoolInner<D> {
             %user,
             "free after its declared user stream was destroyed: reusable after a device-wide wait"
         );
-        Ok(())
-    }
-
-    /// Make `stream` wait for the work queued so far on `user`, a stream
-    /// the pool has forgotten (retired, all its frees complete) but whose
-    /// driver stream still runs: an event recorded on it directly, with
-    /// nothing of the pool's per-stream state (it has none left).
-    fn wait_for_forgotten(&self, stream: Stream, user: Stream) -> Result<(), PoolError> {
-        let event = self.device.create_event()?;
-        let waited = self
-            .device
-            .record_event(event, user)
-            .and_then(|()| self.device.wait_event(stream, event));
-        // The wait holds what it needs of the event: it may go now.
-        let destroyed = self.device.destroy_event(event);
-        waited?;
-        destroyed?;
         Ok(())
     }
 
