@@ -1794,7 +1794,8 @@ impl Arena {
         // The least (length, start) of the zone's runs that hold a
         // window: what the walk by size above finds first. The runs come
         // by address, so a run no shorter than the best so far is no
-        // better; one walk over the chunks' slices.
+        // better, and none beats a run of exactly `len` bytes: the walk
+        // stops there (a block freed and asked for again often is one).
         use std::ops::ControlFlow::{Break, Continue};
         let from = self
             .runs
@@ -1809,6 +1810,9 @@ impl Arena {
                 if rlen >= len && best.is_none_or(|(bl, _)| rlen < bl) {
                     if let Some(off) = fits(rlen, roff) {
                         best = Some((rlen, off));
+                        if rlen == len {
+                            return Break(());
+                        }
                     }
                 }
                 Continue(())
