@@ -114,10 +114,9 @@ fn assert_bounded(f: StreamFootprint, live: usize, pending: usize) {
     );
 }
 
-/// Both policies in one test, one after the other: the host backend
-/// draws every id (streams, events, physical pages) from one counter for
-/// the process, and streams made meanwhile by a test running beside this
-/// one would split the runs of forgotten ids.
+/// Both policies in one test, one after the other, each on a device of
+/// its own: a device's stream ids count up one per stream, so the ids of
+/// the streams churned and forgotten form one run.
 #[test]
 fn churned_streams_leave_nothing_behind() {
     assert_bounded(churn(ReusePolicy::default(), 3000, 100), 8, 8);

@@ -33,7 +33,10 @@ macro_rules! handle {
 }
 
 handle!(
-    /// A stream: work on it runs in issue order. Ids are never reused.
+    /// A stream: work on it runs in issue order. Ids are never reused, and
+    /// a backend counts its streams apart from its other handles: streams
+    /// made one after another on one device get consecutive ids (a pool
+    /// keeps the ids of streams it forgot as runs of them).
     Stream
 );
 handle!(

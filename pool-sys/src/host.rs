@@ -53,9 +53,10 @@ mod share;
 
 use graph::{CaptureEntry, Task};
 
-/// One process-wide counter for every id the host backend issues (streams,
-/// events, physical handles), so that no id is ever issued twice, even across
-/// devices and after a destroy.
+/// One process-wide counter for every id the host backend issues but
+/// streams' (events, physical handles, graphs, captures), so that no such id
+/// is ever issued twice, even across devices and after a destroy. Streams
+/// count apart, per instance (see `HostDevice::next_stream`).
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 fn next_id() -> u64 {
@@ -508,6 +509,10 @@ pub struct HostDevice {
     /// Process-unique id of this instance: the high bits of its stream ids
     /// and its key in `crate::recent`.
     owner: u64,
+    /// The low bits of its stream ids, counted apart from every other id
+    /// so that streams made one after another get consecutive ids (a pool
+    /// keeps the ids of streams it forgot as runs of consecutive ids).
+    next_stream: AtomicU64,
 }
 
 impl std::fmt::Debug for HostDevice {
@@ -565,6 +570,7 @@ impl HostDevice {
             graph_faults: Arc::new(AtomicU64::new(0)),
             default_stream: Stream(0),
             owner: crate::recent::new_owner(),
+            next_stream: AtomicU64::new(1),
         };
         dev.default_stream = dev
             .spawn_stream()
@@ -738,7 +744,7 @@ impl HostDevice {
     }
 
     fn spawn_stream(&self) -> SysResult<Stream> {
-        let id = stream_id(self.owner, next_id());
+        let id = stream_id(self.owner, self.next_stream.fetch_add(1, Ordering::Relaxed));
         let (tx, rx) = mpsc::channel::<HostTask>();
         let state = Arc::new(StreamState {
             id,

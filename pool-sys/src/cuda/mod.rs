@@ -310,7 +310,12 @@ pub(crate) struct Inner {
     instance: u64,
     pub(crate) ctx: Arc<Ctx>,
     granularity: usize,
+    /// Ids of events, physical handles and graphs.
     next_id: AtomicU64,
+    /// Local ids of streams, counted apart from every other id so that
+    /// streams made one after another get consecutive ids (a pool keeps
+    /// the ids of streams it forgot as runs of consecutive ids).
+    next_stream: AtomicU64,
     streams: RwLock<HashMap<u64, Arc<StreamObj>>>,
     events: RwLock<HashMap<u64, Arc<EventObj>>>,
     physical: RwLock<HashMap<u64, Arc<PhysObj>>>,
@@ -462,6 +467,7 @@ impl CudaDevice {
                 ctx,
                 granularity,
                 next_id: AtomicU64::new(DEFAULT_STREAM_ID + 1),
+                next_stream: AtomicU64::new(DEFAULT_STREAM_ID + 1),
                 streams: RwLock::new(streams),
                 events: RwLock::new(HashMap::new()),
                 physical: RwLock::new(HashMap::new()),
@@ -538,7 +544,8 @@ impl CudaDevice {
     }
 
     fn register_stream(&self, raw: sys::CUstream, owned: bool) -> Stream {
-        let id = stream_id(self.inner.instance, self.new_id());
+        let local = self.inner.next_stream.fetch_add(1, Ordering::Relaxed);
+        let id = stream_id(self.inner.instance, local);
         let obj = Arc::new(StreamObj {
             raw,
             owned,
