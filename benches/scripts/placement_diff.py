@@ -14,7 +14,10 @@ Shapes (all written as `op,id,size,stream` CSV):
 - huge-only: huge blocks only, sizes not multiples of the page, freed out
   of order, the huge zone alone;
 - stream-hop: blocks freed on another stream than their own and waits
-  every few operations, 4 streams.
+  every few operations, 4 streams;
+- oscillate: free runs rising past a few hundred and falling under ten;
+- hover: small blocks of four sizes (ties among free runs) whose number
+  of free runs drifts between about 20 and 150 many times.
 Each trace is replayed with and without a tight capacity (OOMs allowed),
 with and without a completion lag (frees stay pending), and under units
 of several pages for big blocks.
@@ -168,6 +171,27 @@ def gen(shape, seed, steps):
             r.shuffle(rest)
             for i in rest:
                 free(i)
+    elif shape == "hover":
+        # Small blocks of four sizes (free runs of equal lengths: ties for
+        # best fit) allocated and freed at random so that the number of
+        # free runs drifts up past 150 and back under 20, again and again,
+        # crossing any threshold in between many times; a huge or big
+        # block now and then on another stream.
+        cells = []
+        sizes = [64 * 1024 * k for k in (1, 2, 3, 8)]
+        for step in range(steps * 400):
+            phase = (step // 300) % 2
+            want_free = 0.35 if phase == 0 else 0.65
+            if cells and r.random() < want_free:
+                free(cells.pop(r.randrange(len(cells))))
+            else:
+                cells.append(alloc(r.choice(sizes), r.randrange(3)))
+            if step % 97 == 0:
+                b = alloc(r.choice([huge(), r.randrange(16 * MIB, 64 * MIB)]), 1)
+                wait(0, 1)
+                free(b, 1)
+        for i in cells:
+            free(i)
     else:
         raise ValueError(shape)
     return "\n".join(lines) + "\n"
@@ -207,7 +231,7 @@ def main():
     ap.add_argument("--first-seed", type=int, default=1)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--dir", default="/tmp/placement-diff")
-    ap.add_argument("--shapes", default="huge-mix,holes,huge-only,stream-hop,oscillate")
+    ap.add_argument("--shapes", default="huge-mix,holes,huge-only,stream-hop,oscillate,hover")
     a = ap.parse_args()
     os.makedirs(a.dir, exist_ok=True)
     bad = 0
