@@ -51,8 +51,8 @@ fn smallest_then_lowest_hole_at_every_run_count() {
     for (n, &k) in order.iter().enumerate() {
         let len = rng.range(1, 3) as usize;
         let at = 5 * k + 1;
-        for slot in at..at + len {
-            pool.free_async(blocks[slot].take().unwrap(), s).unwrap();
+        for b in &mut blocks[at..at + len] {
+            pool.free_async(b.take().unwrap(), s).unwrap();
         }
         holes.insert(at, len);
         pool.synchronize().unwrap();
