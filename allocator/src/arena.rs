@@ -512,6 +512,65 @@ const GAP_TREE_ABOVE: usize = 256;
 /// See [`GAP_TREE_ABOVE`].
 const GAP_TREE_BELOW: usize = 32;
 
+/// The runs of adjacent free ranges by (length, start), for best fit:
+/// kept only while there are more than [`BY_SIZE_BELOW`] runs (built
+/// once there are more than [`BY_SIZE_ABOVE`]). With few runs (the GPT-2
+/// traces keep about 30 in the best-fit zones) a search walks the runs
+/// of its zone by address for less than keeping this index costs: every
+/// take and free of a best-fit block changes a run's length, and so
+/// moved its key here (remove and insert of a 16-byte key), where a
+/// search, which comes once per take, reads each run of the zone once.
+#[derive(Debug, Clone)]
+struct RunsBySize {
+    map: OrdMap<SizeKey, ()>,
+    /// Whether `map` is kept (else it is empty).
+    kept: bool,
+    above: usize,
+    below: usize,
+}
+
+impl Default for RunsBySize {
+    fn default() -> Self {
+        RunsBySize {
+            map: OrdMap::new(),
+            kept: false,
+            above: BY_SIZE_ABOVE,
+            below: BY_SIZE_BELOW,
+        }
+    }
+}
+
+impl RunsBySize {
+    /// Build the index where the runs became many, drop it where they
+    /// became few (apart, so that a count going up and down around one
+    /// threshold does not rebuild it every time).
+    #[inline]
+    fn retune(&mut self, runs: &OrdMap<usize, usize>) {
+        let n = runs.len();
+        if self.kept && n < self.below {
+            self.kept = false;
+            self.map = OrdMap::new();
+        } else if !self.kept && n > self.above {
+            self.build(runs);
+        }
+    }
+
+    #[cold]
+    fn build(&mut self, runs: &OrdMap<usize, usize>) {
+        self.kept = true;
+        self.map = OrdMap::new();
+        for (o, &l) in runs.iter() {
+            self.map.insert(size_key(l, o), ());
+        }
+    }
+}
+
+/// See [`RunsBySize`].
+const BY_SIZE_ABOVE: usize = 128;
+
+/// See [`RunsBySize`].
+const BY_SIZE_BELOW: usize = 32;
+
 /// A run's key by length: (length, start) in one integer, length in the
 /// high half, so that keys compare as the pairs would, in one comparison.
 type SizeKey = u128;
@@ -756,7 +815,9 @@ pub(crate) struct Arena {
     /// to length, and by (length, start). A block may span several ranges
     /// of a run when each of them is usable by its stream.
     runs: OrdMap<usize, usize>,
-    by_size: OrdMap<SizeKey, ()>,
+    /// The runs by (length, start), kept only while there are many runs
+    /// (see [`RunsBySize`]).
+    by_size: RunsBySize,
     /// Where best fit is used (see `set_best_fit_regions`).
     fit_regions: Vec<std::ops::Range<usize>>,
     holes: OrdMap<usize, usize>,
@@ -814,7 +875,7 @@ impl Arena {
             free: OrdMap::new(),
             runs: OrdMap::new(),
             fit_regions: std::iter::once(0..va_size).collect(),
-            by_size: OrdMap::new(),
+            by_size: RunsBySize::default(),
             holes,
             gaps: Gaps::new(va_size, page, 0..va_size),
             idle: PageSet::new(va_size / page),
@@ -1129,9 +1190,27 @@ impl Arena {
 
     /// The run of `was` bytes at `old` became `[new, new + len)` by
     /// address: its entry by length follows.
+    #[inline]
     fn run_resized(&mut self, old: usize, was: usize, new: usize, len: usize) {
-        self.by_size
-            .move_key(&size_key(was, old), size_key(len, new));
+        if self.by_size.kept {
+            self.by_size
+                .map
+                .move_key(&size_key(was, old), size_key(len, new));
+        }
+    }
+
+    /// A run of `len` bytes at `off` appeared (`true`) or went.
+    #[inline]
+    fn run_counted(&mut self, off: usize, len: usize, added: bool) {
+        let by_size = &mut self.by_size;
+        if by_size.kept {
+            if added {
+                by_size.map.insert(size_key(len, off), ());
+            } else {
+                by_size.map.remove(&size_key(len, off));
+            }
+        }
+        by_size.retune(&self.runs);
     }
 
     fn run_add_in(&mut self, off: usize, len: usize) {
@@ -1140,8 +1219,8 @@ impl Arena {
             (Some((lo, ll)), Some(rl)) => {
                 *self.runs.before_mut(pos).expect("left run") = ll + len + rl;
                 self.runs.remove_at_pos(pos);
-                self.by_size.remove(&size_key(rl, off + len));
                 self.run_resized(lo, ll, lo, ll + len + rl);
+                self.run_counted(off + len, rl, false);
             }
             (Some((lo, ll)), None) => {
                 *self.runs.before_mut(pos).expect("left run") = ll + len;
@@ -1153,7 +1232,7 @@ impl Arena {
             }
             (None, None) => {
                 self.runs.insert_at(pos, off, len);
-                self.by_size.insert(size_key(len, off), ());
+                self.run_counted(off, len, true);
             }
         }
     }
@@ -1169,7 +1248,7 @@ impl Arena {
                 *self.runs.before_mut(pos).expect("run") = off - ro;
                 self.run_resized(ro, rl, ro, off - ro);
                 self.runs.insert_at(pos, end, ro + rl - end);
-                self.by_size.insert(size_key(ro + rl - end, end), ());
+                self.run_counted(end, ro + rl - end, true);
             }
             (true, false) => {
                 *self.runs.before_mut(pos).expect("run") = off - ro;
@@ -1181,7 +1260,7 @@ impl Arena {
             }
             (false, false) => {
                 self.runs.remove_before(pos);
-                self.by_size.remove(&size_key(rl, ro));
+                self.run_counted(ro, rl, false);
             }
         }
     }
@@ -1601,11 +1680,7 @@ impl Arena {
         let mut best: Option<(usize, u8)> = None;
         // The ranges of a run of several: (start, end, class).
         let mut comps: Vec<(usize, usize, Option<u8>)> = Vec::new();
-        for (rlen, roff) in self
-            .by_size
-            .iter_from(&size_key(len, 0))
-            .map(|(k, _)| from_size_key(k))
-        {
+        for (rlen, roff) in self.runs_by_size(len, zone) {
             let (lo, hi) = (roff.max(zone.start), (roff + rlen).min(zone.end));
             if lo >= hi || align_up(lo, align) + len > hi {
                 continue;
@@ -1701,14 +1776,83 @@ impl Arena {
         align: usize,
         zone: &std::ops::Range<usize>,
     ) -> Option<usize> {
-        self.by_size
-            .iter_from(&size_key(len, 0))
-            .find_map(|(k, _)| {
-                let (rlen, roff) = from_size_key(k);
-                let (lo, hi) = (roff.max(zone.start), (roff + rlen).min(zone.end));
-                let off = align_up(lo, align);
-                (lo < hi && off + len <= hi).then_some(off)
-            })
+        let fits = |rlen: usize, roff: usize| {
+            let (lo, hi) = (roff.max(zone.start), (roff + rlen).min(zone.end));
+            let off = align_up(lo, align);
+            (lo < hi && off + len <= hi).then_some(off)
+        };
+        if self.by_size.kept {
+            return self
+                .by_size
+                .map
+                .iter_from(&size_key(len, 0))
+                .find_map(|(k, _)| {
+                    let (rlen, roff) = from_size_key(k);
+                    fits(rlen, roff)
+                });
+        }
+        // The least (length, start) of the zone's runs that hold a
+        // window: what the walk by size above finds first. The runs come
+        // by address, so a run no shorter than the best so far is no
+        // better, and none beats a run of exactly `len` bytes: the walk
+        // stops there (a block freed and asked for again often is one).
+        use std::ops::ControlFlow::{Break, Continue};
+        let from = self
+            .runs
+            .last_le(&zone.start)
+            .map_or(zone.start, |(o, _)| o);
+        let mut best: Option<(usize, usize)> = None;
+        self.runs
+            .scan_at(self.runs.lower_bound(&from), |roff, &rlen| {
+                if roff >= zone.end {
+                    return Break(());
+                }
+                if rlen >= len && best.is_none_or(|(bl, _)| rlen < bl) {
+                    if let Some(off) = fits(rlen, roff) {
+                        best = Some((rlen, off));
+                        if rlen == len {
+                            return Break(());
+                        }
+                    }
+                }
+                Continue(())
+            });
+        best.map(|(_, off)| off)
+    }
+
+    /// The runs that may overlap `zone`, by address: the one holding its
+    /// start, then those starting inside it.
+    fn runs_in(&self, zone: &std::ops::Range<usize>) -> impl Iterator<Item = (usize, &usize)> + '_ {
+        let start = self
+            .runs
+            .last_le(&zone.start)
+            .map_or(zone.start, |(o, _)| o);
+        self.runs.range(start, zone.end)
+    }
+
+    /// The runs of at least `len` bytes that may overlap `zone`, as
+    /// (length, start) by length, then start: from the index where kept,
+    /// else sorted from the zone's runs.
+    fn runs_by_size(
+        &self,
+        len: usize,
+        zone: &std::ops::Range<usize>,
+    ) -> Box<dyn Iterator<Item = (usize, usize)> + '_> {
+        if self.by_size.kept {
+            return Box::new(
+                self.by_size
+                    .map
+                    .iter_from(&size_key(len, 0))
+                    .map(|(k, _)| from_size_key(k)),
+            );
+        }
+        let mut runs: Vec<(usize, usize)> = self
+            .runs_in(zone)
+            .filter(|&(_, &l)| l >= len)
+            .map(|(o, &l)| (l, o))
+            .collect();
+        runs.sort_unstable();
+        Box::new(runs.into_iter())
     }
 
     /// Length of the largest run of adjacent free ranges (whatever their
@@ -2643,12 +2787,19 @@ impl Arena {
         self.free.check();
         self.holes.check();
         self.runs.check();
-        self.by_size.check();
+        self.by_size.map.check();
         self.gaps.spans.check();
-        assert_eq!(self.runs.len(), self.by_size.len());
+        let n = self.runs.len();
+        let b = &self.by_size;
+        assert!(
+            (n <= b.above || b.kept) && (n >= b.below || !b.kept),
+            "runs by size kept for {n} runs: {}",
+            b.kept
+        );
+        assert_eq!(b.map.len(), if b.kept { n } else { 0 });
         for (o, &l) in self.runs.iter() {
             assert!(
-                self.by_size.contains_key(&size_key(l, o)),
+                !self.by_size.kept || self.by_size.map.contains_key(&size_key(l, o)),
                 "by_size misses {o}"
             );
         }
@@ -3144,12 +3295,26 @@ mod tests {
     /// kinds of guards, settles) with the runs and the gaps both kept in
     /// part of it; returns it with its live blocks.
     fn arena_from_ops(ops: &[(u8, u32, u32)]) -> (Arena, Vec<(usize, usize)>) {
+        arena_from_ops_with(ops, |_| {}, |_, _| Ok(())).expect("no step is checked")
+    }
+
+    /// [`arena_from_ops`], `tune` applied to the new arena and `each` run
+    /// after every op (with the op).
+    fn arena_from_ops_with(
+        ops: &[(u8, u32, u32)],
+        tune: impl FnOnce(&mut Arena),
+        mut each: impl FnMut(
+            &mut Arena,
+            (u8, u32, u32),
+        ) -> Result<(), proptest::test_runner::TestCaseError>,
+    ) -> Result<(Arena, Vec<(usize, usize)>), proptest::test_runner::TestCaseError> {
         const SMALL: usize = 1 << 16;
         let mut a = Arena::new(16 * SMALL, SMALL);
         a.set_best_fit_regions(vec![0..5 * SMALL + 100, 9 * SMALL..16 * SMALL]);
         a.set_first_fit_region(SMALL + 512..15 * SMALL);
         a.gaps.tree_above = 4;
         a.gaps.tree_below = 2;
+        tune(&mut a);
         for p in 0..16 {
             let idx = a.phys.insert(PhysPage {
                 handle: Physical(p as u64),
@@ -3191,16 +3356,101 @@ mod tests {
                 }),
                 _ => {}
             }
+            each(&mut a, (kind, x as u32, y as u32))?;
         }
         a.check();
-        (a, live)
+        Ok((a, live))
+    }
+
+    /// [`Arena::find_fit_any`] by its definition: the least (length,
+    /// start) run holding an aligned window of `len` bytes in `zone`, at
+    /// that window's lowest start.
+    fn find_fit_any_model(
+        a: &Arena,
+        len: usize,
+        align: usize,
+        zone: &std::ops::Range<usize>,
+    ) -> Option<usize> {
+        a.runs
+            .iter()
+            .filter_map(|(o, &l)| {
+                let (lo, hi) = (o.max(zone.start), (o + l).min(zone.end));
+                let off = align_up(lo, align);
+                (l >= len && lo < hi && off + len <= hi).then_some((l, o, off))
+            })
+            .min()
+            .map(|(_, _, off)| off)
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(200))]
+        /// Best fit answers the same whether the runs by size are kept or
+        /// not (the index comes and goes with a handful of runs here, and
+        /// every answer is also asked with it forced the other way), and
+        /// as its definition says. Caught: a walk without the index that
+        /// let a later run of the best length win (`rlen <= bl`).
+        #[test]
+        fn best_fit_agrees_with_and_without_the_runs_by_size(
+            ops in index_ops(),
+            queries in proptest::collection::vec((proptest::prelude::any::<u32>(), proptest::prelude::any::<u32>()), 1..4),
+        ) {
+            const SMALL: usize = 1 << 16;
+            let tune = |a: &mut Arena| {
+                a.by_size.above = 3;
+                a.by_size.below = 2;
+            };
+            arena_from_ops_with(&ops, tune, |a, _| {
+                for &(x, y) in &queries {
+                    let (x, y) = (x as usize, y as usize);
+                    // Half the time exactly the length of a run.
+                    let runs: Vec<usize> = a.runs.iter().map(|(_, &l)| l).collect();
+                    let len = if x % 2 == 0 && !runs.is_empty() {
+                        runs[(x >> 1) % runs.len()]
+                    } else {
+                        1 + (x >> 1) % (3 * SMALL)
+                    };
+                    let align = [1, 512, SMALL][y % 3];
+                    let zone = [0..5 * SMALL + 100, 9 * SMALL..16 * SMALL, 0..16 * SMALL, SMALL..10 * SMALL][(y >> 2) % 4].clone();
+                    let class = |g: Guard| match g {
+                        Guard::Complete => Some(0),
+                        Guard::After { stream: 1, .. } => Some(1),
+                        Guard::After { stream: 2, .. } => Some(0),
+                        Guard::After { .. } => None,
+                    };
+                    let any = a.find_fit_any(len, align, &zone);
+                    let fit = a.find_fit(len, align, &zone, class);
+                    proptest::prop_assert_eq!(any, find_fit_any_model(a, len, align, &zone));
+                    // The other way round.
+                    let kept = a.by_size.kept;
+                    if kept {
+                        a.by_size.kept = false;
+                        a.by_size.map = OrdMap::new();
+                    } else {
+                        a.by_size.build(&a.runs);
+                    }
+                    proptest::prop_assert_eq!(any, a.find_fit_any(len, align, &zone), "kept {}", kept);
+                    proptest::prop_assert_eq!(fit, a.find_fit(len, align, &zone, class), "kept {}", kept);
+                    if kept {
+                        a.by_size.build(&a.runs);
+                    } else {
+                        a.by_size.kept = false;
+                        a.by_size.map = OrdMap::new();
+                    }
+                }
+                a.check();
+                Ok(())
+            })?;
+        }
     }
 
     /// What [`books`] compares, and the indexes behind the free ranges:
     /// runs by length, pending ranges by stream and epoch, users and idle
     /// pages.
     fn all_books(a: &Arena) -> impl PartialEq + std::fmt::Debug {
-        let by_size: Vec<SizeKey> = a.by_size.iter().map(|(k, _)| k).collect();
+        // The runs by size, whether the index is kept or not (two arenas
+        // that reached the same runs by different paths may differ there).
+        let mut by_size: Vec<SizeKey> = a.runs.iter().map(|(o, &l)| size_key(l, o)).collect();
+        by_size.sort_unstable();
         let mut pending: Vec<(u64, u64, usize)> = a
             .pending
             .streams

@@ -18,10 +18,6 @@ pub(crate) struct ArenaState {
     pub done: Completion,
     /// Scratch space of `pick_victims` (no allocation per call).
     victim_runs: Vec<(bool, u64, usize)>,
-    /// Scratch space of the paged window search (see [`SearchScratch`]):
-    /// the search reads the state only, and its scratch is kept between
-    /// searches, so it is set up once rather than cleared per search.
-    search: std::cell::RefCell<SearchScratch>,
     /// Scratch space of page mapping (see [`MapScratch`]).
     pub map_scratch: MapScratch,
     /// Whether a held ghost mapping may come back for a stream ordered
@@ -58,7 +54,6 @@ impl ArenaState {
             arena,
             done: Completion::default(),
             victim_runs: Vec::new(),
-            search: Default::default(),
             map_scratch: MapScratch::default(),
             rebind_held: true,
             bounds,
@@ -417,13 +412,13 @@ fn walked_best_window(
 /// whether each is active, a ghost or never mapped; with every ghost
 /// counted as coming back, that gives per window a lower bound of its key
 /// (weighted binds at least those of its never-mapped pages, activations
-/// exact, start). Then windows are weighed in order of their bound, each
-/// exactly (its ghosts worked out), until the next bound is above the best
-/// key found: no other window can win, its key is at least its bound.
-/// Measured on gpt2-fixed (host, `--va-size 56G`, a warm pass): the huge
-/// blocks' 90 searches work out 33,679 of the 211,261 ghosts of their
-/// spans (16 %), where weighing every window of the stretch whose bounds
-/// were below the lowest-bound window's key worked out 117,301 (56 %).
+/// exact, start). The window with the lowest bound has its ghosts worked
+/// out first; its key is then the one to beat, and only the windows whose
+/// bound is not above the best key so far (per span, the stretch from the
+/// first such window to the last) have theirs worked out and are weighed.
+/// No other window can win: its key is at least its bound. Measured on
+/// gpt2-fixed (host, `--va-size 56G`): about half the ghosts of a warm
+/// pass are never worked out.
 fn paged_best_window(
     st: &State<'_>,
     len: usize,
@@ -498,114 +493,42 @@ fn paged_best_window(
     // A window's key: (weighted binds and activations, start).
     let key = |s: Sums, start: usize| (s >> FIELD, start);
     // 1. Every window's bound (weighted binds and activations), in
-    // address order, and the lowest. Real bounds are far below
-    // `Sums::MAX`.
+    // address order, and the lowest: windows come in address order, so
+    // the first of equal bounds is the lowest window. Real bounds are far
+    // below `Sums::MAX`.
     // One per window: sized once rather than grown push by push.
     let mut bounds: Vec<Sums> =
         Vec::with_capacity(spans.iter().map(|&(qlo, qhi, _)| qhi - qlo + 1).sum());
-    let mut low = Sums::MAX;
+    let (mut low, mut q) = (Sums::MAX, 0);
     for &(qlo, qhi, at) in &spans {
-        slide(&terms[at..at + qhi - qlo + n], n, &vals, |_, s| {
+        slide(&terms[at..at + qhi - qlo + n], n, &vals, |k, s| {
             let b = s >> FIELD;
             bounds.push(b);
-            low = low.min(b);
+            if b < low {
+                (low, q) = (b, qlo + k);
+            }
         });
     }
     if low == Sums::MAX {
         return None;
     }
-    // 2. The windows whose bound is less than `LEVELS` above the lowest,
-    // in order of (bound, start), each weighed exactly, until the next
-    // one's bound and start are not below the best key (no window from
-    // there on can win: its key is at least its bound). A window's key is
-    // its bound plus what its ghosts that cannot come back add; each page
-    // is worked out once however many windows hold it (`next` skips the
-    // pages looked at), and the ghosts that cannot come back are counted
-    // in a tree of prefix counts, so a window costs its new pages and a
-    // logarithm rather than its `n` pages. On gpt2-fixed the best key is
-    // at most 6 above the lowest bound in a warm pass, and about 370
-    // ghosts are worked out a search, where 1300 were before.
-    let mut scratch = st.search.borrow_mut();
-    let SearchScratch {
-        stamp,
-        cands,
-        skip,
-        lost,
-    } = &mut *scratch;
-    *stamp = stamp.wrapping_add(1);
-    if *stamp == 0 {
-        // Stamps came round: every entry may look current, so none is.
-        skip.clear();
-        lost.clear();
-        *stamp = 1;
+    // Its key is the one to beat: (key, sums).
+    let &(qlo, _, at) = spans
+        .iter()
+        .find(|s| s.0 <= q && q <= s.1)
+        .expect("the window lies in a span");
+    let window = &mut terms[at + q - qlo..at + q - qlo + n];
+    resolve(window, q);
+    let s: Sums = window.iter().map(|&t| val(&vals, t)).sum();
+    let mut best = (key(s, q * page), s);
+    if s == 0 {
+        // Nothing can beat it: every other window's bound is above.
+        return Some((0, 0, q * page));
     }
-    let stamp = *stamp;
-    // The windows whose bound is less than `LEVELS` above the lowest, in
-    // order of (bound, address).
-    cands.clear();
-    cands.extend(
-        bounds
-            .iter()
-            .enumerate()
-            .filter(|&(_, &b)| b - low < LEVELS)
-            .map(|(g, &b)| (b, g)),
-    );
-    cands.sort_unstable();
-    // Where each span's windows begin among all windows.
-    let mut firsts = Vec::with_capacity(spans.len());
-    let mut g0 = 0;
-    for &(qlo, qhi, _) in &spans {
-        firsts.push(g0);
-        g0 += qhi - qlo + 1;
-    }
-    // What a ghost that cannot come back adds to a window's key.
-    let lost_key = (vals[(HOLE | BIND | OVER_GHOST) as usize] - vals[HOLE as usize]) >> FIELD;
-    let mut lost = Counts::new(lost, terms.len(), stamp);
-    let mut next = Skip::new(skip, terms.len(), stamp);
-    // The best (key, start) and where its window's costs begin in `terms`.
-    let mut best: Option<((Sums, usize), usize)> = None;
-    let mut settled = false;
-    for &(level, g) in cands.iter() {
-        let si = firsts.partition_point(|&f| f <= g) - 1;
-        let (qlo, _, at) = spans[si];
-        let k = g - firsts[si];
-        let start = (qlo + k) * page;
-        if best.is_some_and(|(b, _)| (level, start) >= b) {
-            settled = true;
-            break;
-        }
-        let (lo, hi) = (at + k, at + k + n);
-        let mut i = next.first_from(lo);
-        while i < hi {
-            if terms[i] & GHOST != 0 {
-                if ghost_available_for(st, qlo + i - at, any_pending, Some(&mover)) {
-                    terms[i] = HOLE;
-                } else {
-                    terms[i] = HOLE | BIND | OVER_GHOST;
-                    lost.add(i);
-                }
-            }
-            i = next.skip(i, hi);
-        }
-        let cand = (level + lost.between(lo, hi) as Sums * lost_key, start);
-        if best.is_none_or(|(b, _)| cand < b) {
-            best = Some((cand, lo));
-        }
-    }
-    let (key0, at0) = best.expect("the lowest bound's window is weighed");
-    let sums = |ts: &[u8]| -> Sums { ts.iter().map(|&t| val(&vals, t)).sum() };
-    let mut best = (key0, sums(&terms[at0..at0 + n]));
-    if settled || low + LEVELS > best.0 .0 {
-        // Every window not weighed has a bound above the best key.
-        return Some(unpack(best.1, best.0 .1));
-    }
-    // The best key is far above the lowest bound: per span, the windows
-    // whose bound is not above it (those weighed above again: the same
-    // answer) have their ghosts worked out, and only theirs: the others
-    // cannot win whatever their ghosts cost. Then the stretch from the
-    // first such window to the last is weighed; a window there with
-    // ghosts not worked out weighs at least its bound, above the best key,
-    // so it does not win either.
+    // 2. Per span, the stretch from the first to the last window whose
+    // bound is not above the best key (equal ones are taken whatever
+    // their start: a few windows more, one comparison less per window):
+    // their ghosts worked out, each weighed.
     let mut rest = &bounds[..];
     for &(qlo, qhi, at) in &spans {
         let (bs, later) = rest.split_at(qhi - qlo + 1);
@@ -616,16 +539,8 @@ fn paged_best_window(
         };
         let khi = bs.iter().rposition(|&b| b <= limit).expect("one is");
         let ts = &mut terms[at..at + qhi - qlo + n];
-        // Pages of the span before `done` are worked out or need not be.
-        let mut done = klo;
-        for (k, &b) in bs.iter().enumerate().take(khi + 1).skip(klo) {
-            if b <= limit {
-                let from = done.max(k);
-                resolve(&mut ts[from..k + n], qlo + from);
-                done = k + n;
-            }
-        }
         let ts = &mut ts[klo..khi + n];
+        resolve(ts, qlo + klo);
         slide(ts, n, &vals, |k, s| {
             let cand = key(s, (qlo + klo + k) * page);
             if cand < best.0 {
@@ -633,125 +548,13 @@ fn paged_best_window(
             }
         });
     }
-    Some(unpack(best.1, best.0 .1))
-}
-
-/// Scratch space of [`paged_best_window`], kept between searches. The
-/// entries of `skip` and `lost` count only when they carry the current
-/// search's stamp: a search starts with all of them unset, with no pass
-/// to clear them.
-#[derive(Debug, Default)]
-pub(crate) struct SearchScratch {
-    stamp: u32,
-    /// The windows to weigh in order: (bound, index among all windows).
-    cands: Vec<(Sums, usize)>,
-    /// See [`Skip`]: (stamp, link).
-    skip: Vec<(u32, u32)>,
-    /// See [`Counts`]: (stamp, count).
-    lost: Vec<(u32, u32)>,
-}
-
-/// Counts of marked positions `0..len` in a tree of prefix counts (a
-/// Fenwick tree): marking one and counting those in a range both take a
-/// logarithm of `len`. Entries of an older stamp count as 0.
-struct Counts<'a> {
-    tree: &'a mut Vec<(u32, u32)>,
-    len: usize,
-    stamp: u32,
-}
-
-impl<'a> Counts<'a> {
-    fn new(tree: &'a mut Vec<(u32, u32)>, len: usize, stamp: u32) -> Self {
-        if tree.len() < len + 1 {
-            tree.resize(len + 1, (0, 0));
-        }
-        Counts {
-            tree,
-            len: len + 1,
-            stamp,
-        }
-    }
-
-    /// Mark position `i` (once).
-    fn add(&mut self, i: usize) {
-        let mut j = i + 1;
-        while j < self.len {
-            let e = &mut self.tree[j];
-            if e.0 != self.stamp {
-                *e = (self.stamp, 0);
-            }
-            e.1 += 1;
-            j += j & j.wrapping_neg();
-        }
-    }
-
-    /// Marked positions below `i`.
-    fn below(&self, i: usize) -> u32 {
-        let (mut j, mut c) = (i, 0);
-        while j > 0 {
-            let e = self.tree[j];
-            if e.0 == self.stamp {
-                c += e.1;
-            }
-            j &= j - 1;
-        }
-        c
-    }
-
-    /// Marked positions in `lo..hi`.
-    fn between(&self, lo: usize, hi: usize) -> u32 {
-        self.below(hi) - self.below(lo)
-    }
-}
-
-/// Positions `0..len`, each visited once: the first not yet visited from
-/// a position on, found by following links that skip visited runs (a
-/// disjoint-set forest with path halving). A position is visited when its
-/// entry carries the current stamp; its link then leads past it.
-struct Skip<'a> {
-    links: &'a mut Vec<(u32, u32)>,
-    stamp: u32,
-}
-
-impl<'a> Skip<'a> {
-    fn new(links: &'a mut Vec<(u32, u32)>, len: usize, stamp: u32) -> Self {
-        if links.len() < len + 1 {
-            links.resize(len + 1, (0, 0));
-        }
-        Skip { links, stamp }
-    }
-
-    /// The first position from `i` on not yet visited (`len` if none).
-    fn first_from(&mut self, mut i: usize) -> usize {
-        let (v, stamp) = (&mut *self.links, self.stamp);
-        while v[i].0 == stamp {
-            let up = v[i].1 as usize;
-            if v[up].0 == stamp {
-                v[i].1 = v[up].1;
-            }
-            i = up;
-        }
-        i
-    }
-
-    /// Mark `i` visited, linked to `to` (every position from `i` to `to`
-    /// is visited before the next call of [`Skip::first_from`] outside
-    /// that range); the first position after it not yet visited.
-    fn skip(&mut self, i: usize, to: usize) -> usize {
-        self.links[i] = (self.stamp, to as u32);
-        self.first_from(i + 1)
-    }
-}
-
-/// How far above the lowest bound [`paged_best_window`] weighs windows
-/// in order of bound before it weighs every window below the best key
-/// by address.
-const LEVELS: Sums = 8;
-
-/// (binds, pages to activate, start) of a window whose sums are `s`.
-fn unpack(s: Sums, start: usize) -> (usize, usize, usize) {
+    let (_, s) = best;
     let mask = (1 << FIELD) - 1;
-    ((s & mask) as usize, ((s >> FIELD) & mask) as usize, start)
+    Some((
+        (s & mask) as usize,
+        ((s >> FIELD) & mask) as usize,
+        best.0 .1,
+    ))
 }
 
 /// A page's cost in [`paged_best_window`]: a hole (a page to activate)...
@@ -1569,52 +1372,6 @@ mod tests {
             }
         }
         assert!(picked > 1000, "the random arenas have idle pages to pick");
-    }
-
-    /// The prefix-count tree and the skip links of the paged search agree
-    /// with a plain array and a linear scan, on random marks and visits,
-    /// across searches that reuse their entries (older stamps count as
-    /// unset) and searches of several lengths.
-    #[test]
-    fn search_scratch_agrees_with_plain_arrays() {
-        let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
-        let (mut tree, mut links) = (Vec::new(), Vec::new());
-        for search in 1..300u32 {
-            let len = 1 + rng.below(200);
-            let mut counts = Counts::new(&mut tree, len, search);
-            let mut skip = Skip::new(&mut links, len, search);
-            let mut marked = vec![false; len];
-            let mut visited = vec![false; len];
-            for _ in 0..rng.below(60) {
-                let i = rng.below(len);
-                if !marked[i] {
-                    marked[i] = true;
-                    counts.add(i);
-                }
-                let (lo, hi) = {
-                    let a = rng.below(len + 1);
-                    let b = rng.below(len + 1);
-                    (a.min(b), a.max(b))
-                };
-                let want = marked[lo..hi].iter().filter(|&&m| m).count() as u32;
-                assert_eq!(counts.between(lo, hi), want, "search {search}, {lo}..{hi}");
-                // Visit every position of lo..hi not yet visited, as the
-                // search does with a window's pages.
-                let mut got = Vec::new();
-                let mut j = skip.first_from(lo);
-                while j < hi {
-                    got.push(j);
-                    j = skip.skip(j, hi);
-                }
-                let want: Vec<usize> = (lo..hi).filter(|&j| !visited[j]).collect();
-                assert_eq!(got, want, "search {search}, {lo}..{hi}");
-                for &j in &got {
-                    visited[j] = true;
-                }
-                let first = (lo..len).find(|&j| !visited[j]).unwrap_or(len);
-                assert_eq!(skip.first_from(lo), first, "search {search}, from {lo}");
-            }
-        }
     }
 
     /// The slide over a span's pages finds the window the walk over every
