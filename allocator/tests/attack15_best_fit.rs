@@ -4,11 +4,15 @@
 //! stream cache, every free complete, 4 KiB blocks laid side by side and
 //! freed in groups of 1 to 3 (holes of equal lengths: ties). Each request
 //! must land in the smallest hole that holds it, the lowest one among
-//! equals, and all placements of a run of requests must match a model of
-//! the holes.
+//! equals; then requests are kept, filling the holes, until none is left
+//! (the run count falls back past every threshold), each placed as a
+//! model of the holes says.
 //!
 //! Caught: the best-fit index skipping its first candidate (the smallest,
-//! lowest run), and run keys ordered by descending start.
+//! lowest run), run keys ordered by descending start, and the walk over
+//! few runs letting a later run of the best length win (`rlen <= bl`:
+//! both tests, on the way down). Not caught: ties reversed in the sorted
+//! fallback of `runs_by_size` (these requests do not reach it).
 
 mod common;
 
@@ -21,6 +25,18 @@ const BLOCK: usize = 4096;
 
 #[test]
 fn smallest_then_lowest_hole_at_every_run_count() {
+    run(false);
+}
+
+/// The same with the stream held busy throughout: every free stays
+/// pending on the stream that asks again (reusable in stream order), so
+/// best fit weighs the ranges' guards.
+#[test]
+fn smallest_then_lowest_hole_with_frees_pending() {
+    run(true);
+}
+
+fn run(pending: bool) {
     let dev = Arc::new(common::host_with_capacity(64 << 20));
     let pool = common::pool(
         &dev,
@@ -29,6 +45,12 @@ fn smallest_then_lowest_hole_at_every_run_count() {
             .with_stream_cache_bytes(0),
     );
     let s = dev.create_stream().unwrap();
+    let mut gate = pending.then(|| common::Blocker::on(&*dev, s));
+    let settle = || {
+        if !pending {
+            pool.synchronize().unwrap();
+        }
+    };
     let mut rng = common::Rng(0x5DEE_CE66_D1CE_4E5B);
     // 1000 blocks side by side (the first page's start is whatever the
     // pool gives; the blocks must follow each other).
@@ -55,7 +77,7 @@ fn smallest_then_lowest_hole_at_every_run_count() {
             pool.free_async(b.take().unwrap(), s).unwrap();
         }
         holes.insert(at, len);
-        pool.synchronize().unwrap();
+        settle();
         // Requests of 1..=3 blocks, each freed again before the next.
         for want in 1..=3usize {
             let a = pool.alloc_async(want * BLOCK, s).unwrap();
@@ -83,10 +105,46 @@ fn smallest_then_lowest_hole_at_every_run_count() {
                 ),
             }
             pool.free_async(a, s).unwrap();
-            pool.synchronize().unwrap();
+            settle();
         }
     }
     assert!(checked > 500, "only {checked} placements checked");
+    // Back down: requests kept, each filling part or all of its hole,
+    // until no hole is left (the run count falls past every threshold).
+    let mut kept = Vec::new();
+    while !holes.is_empty() {
+        let want = rng.range(1, 3) as usize;
+        let a = pool.alloc_async(want * BLOCK, s).unwrap();
+        let slot = ((a.ptr() - base) / BLOCK as u64) as usize;
+        let expect = holes
+            .iter()
+            .filter(|&(_, &l)| l >= want)
+            .min_by_key(|&(&st, &l)| (l, st))
+            .map(|(&st, &l)| (st, l));
+        if let Some((st, l)) = expect {
+            assert!(
+                (st..st + l).contains(&slot) && slot + want <= st + l,
+                "{} holes left: {want} blocks placed at slot {slot}, best fit is the \
+                 {l}-block hole at slot {st}",
+                holes.len()
+            );
+            holes.remove(&st);
+            if slot > st {
+                holes.insert(st, slot - st);
+            }
+            if slot + want < st + l {
+                holes.insert(slot + want, st + l - slot - want);
+            }
+            checked += 1;
+        }
+        kept.push(a);
+    }
+    for a in kept {
+        pool.free_async(a, s).unwrap();
+    }
+    if let Some(g) = gate.as_mut() {
+        g.release();
+    }
     for b in blocks.into_iter().flatten() {
         pool.free_async(b, s).unwrap();
     }
