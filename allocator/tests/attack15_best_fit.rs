@@ -112,6 +112,7 @@ fn run(pending: bool) {
     // Back down: requests kept, each filling part or all of its hole,
     // until no hole is left (the run count falls past every threshold).
     let mut kept = Vec::new();
+    let up = checked;
     while !holes.is_empty() {
         let want = rng.range(1, 3) as usize;
         let a = pool.alloc_async(want * BLOCK, s).unwrap();
@@ -139,6 +140,11 @@ fn run(pending: bool) {
         }
         kept.push(a);
     }
+    assert!(
+        checked > up + 100,
+        "only {} placements checked on the way down",
+        checked - up
+    );
     for a in kept {
         pool.free_async(a, s).unwrap();
     }
