@@ -35,8 +35,7 @@
 mod common;
 
 use common::{Blocker, Rng};
-use std::sync::atomic::Ordering;
-use std::sync::mpsc::{channel, Receiver};
+use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use tidepool::{Allocation, MemPool, PoolConfig, ReusePolicy};
 use tidepool_sys::{HostDevice, Stream};
@@ -71,22 +70,7 @@ fn words_of(l: &Live) -> Vec<(usize, u32)> {
 /// Enqueue on `stream` a "kernel" writing block `l`'s words; the receiver
 /// says whether the memory was mapped when it ran.
 fn write_kernel(dev: &HostDevice, stream: Stream, l: &Live) -> Receiver<bool> {
-    let (tx, rx) = channel();
-    let words = words_of(l);
-    dev.launch_on_words(stream, l.a.ptr(), l.a.size() / 4 * 4, move |r| {
-        let ok = match r {
-            Ok(w) => {
-                for &(i, v) in &words {
-                    w[i].store(v, Ordering::Relaxed);
-                }
-                true
-            }
-            Err(_) => false,
-        };
-        let _ = tx.send(ok);
-    })
-    .expect("launch kernel");
-    rx
+    common::write_words_at(dev, stream, l.a.ptr(), l.a.size() / 4 * 4, words_of(l))
 }
 
 /// One seed under `cfg`; returns the pages moved while pending.

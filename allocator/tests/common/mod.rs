@@ -238,6 +238,33 @@ pub fn write_kernel(
     rx
 }
 
+/// Enqueue on `stream` a "kernel" writing scattered `words` (index in
+/// 32-bit words from `ptr`, value) over the `len` bytes at `ptr`; the
+/// receiver says whether the memory was mapped read-write when it ran.
+pub fn write_words_at(
+    dev: &HostDevice,
+    stream: Stream,
+    ptr: DevicePtr,
+    len: usize,
+    words: Vec<(usize, u32)>,
+) -> Receiver<bool> {
+    let (tx, rx) = channel();
+    dev.launch_on_words(stream, ptr, len, move |r| {
+        let ok = match r {
+            Ok(w) => {
+                for &(i, v) in &words {
+                    w[i].store(v, Ordering::Relaxed);
+                }
+                true
+            }
+            Err(_) => false,
+        };
+        let _ = tx.send(ok);
+    })
+    .expect("launch kernel");
+    rx
+}
+
 /// Whether `[a, a + alen)` and `[b, b + blen)` share a byte.
 pub fn overlaps(a: DevicePtr, alen: usize, b: DevicePtr, blen: usize) -> bool {
     a < b + blen as u64 && b < a + alen as u64
