@@ -5,7 +5,7 @@
 //! searches, the windows that need the fewest driver binds, and which
 //! idle pages to move. Nothing here calls the device.
 
-use crate::arena::{Arena, FreeRange, Guard, Window};
+use crate::arena::{Arena, FreeRange, Guard, Window, KIND_GHOST, KIND_HOLE, KIND_UNMAPPED};
 use crate::config::ReusePolicy;
 use crate::ordering::{Completion, VectorClock};
 use crate::sync::MutexGuard;
@@ -467,15 +467,8 @@ fn paged_best_window(
         }
         let qhi = (r - len) / page;
         spans.push((qlo, qhi, terms.len()));
-        terms.extend(
-            st.arena
-                .page_states(qlo..qhi + n)
-                .map(|(mapped, active)| match mapped {
-                    None => HOLE | BIND,
-                    Some(_) if active => 0,
-                    Some(_) => HOLE | GHOST,
-                }),
-        );
+        // The arena keeps each page's kind in these very flags.
+        terms.extend_from_slice(st.arena.page_kinds(qlo..qhi + n));
     }
     // Works out the ghosts among the costs of pages `first..` held at
     // `ts` (no longer a lower bound there: exact).
@@ -557,15 +550,17 @@ fn paged_best_window(
     ))
 }
 
-/// A page's cost in [`paged_best_window`]: a hole (a page to activate)...
-const HOLE: u8 = 1;
-/// ...that costs a bind...
-const BIND: u8 = 2;
+/// A page's cost in [`paged_best_window`], in the flags of the arena's
+/// page kinds (which it starts from): a hole (a page to activate)...
+const HOLE: u8 = KIND_HOLE;
+/// ...that costs a bind (an unmapped page, or a ghost that cannot come
+/// back)...
+const BIND: u8 = KIND_UNMAPPED;
 /// ...over a ghost mapping that cannot come back now, lost to the bind.
 const OVER_GHOST: u8 = 4;
 /// A hole over a ghost mapping not yet worked out: counted as coming
 /// back (no bind), which makes the window's cost a lower bound.
-const GHOST: u8 = 8;
+const GHOST: u8 = KIND_GHOST;
 
 /// A window's sums in one number, so that a slide adds and takes off one
 /// value per page: weighted binds from bit `2 * FIELD` on, activations
