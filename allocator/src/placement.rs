@@ -25,6 +25,10 @@ pub(crate) struct ArenaState {
     /// mapping turns it off for a second try when a window chosen that
     /// way could not be had.
     pub rebind_held: bool,
+    /// The first pages of the windows the last few searches for huge
+    /// blocks chose, latest first (`usize::MAX`: none): where the next
+    /// search looks first (see [`paged_best_window`]).
+    recent: std::cell::Cell<[usize; RECENT_WINDOWS]>,
     /// The zones' bounds in bytes: zone `z` is `bounds[z]..bounds[z + 1]`
     /// (see [`zone_bounds`]). The address space and the page size never
     /// change, so they are worked out once rather than per request.
@@ -56,8 +60,24 @@ impl ArenaState {
             victim_runs: Vec::new(),
             map_scratch: MapScratch::default(),
             rebind_held: true,
+            recent: std::cell::Cell::new([usize::MAX; RECENT_WINDOWS]),
             bounds,
         }
+    }
+
+    /// The windows (first pages) the last searches for huge blocks chose.
+    fn recent_windows(&self) -> impl Iterator<Item = usize> {
+        self.recent.get().into_iter().filter(|&c| c != usize::MAX)
+    }
+
+    /// Window `c` (its first page) was chosen: first among the recent
+    /// ones, the oldest forgotten.
+    fn remember_window(&self, c: usize) {
+        let mut r = self.recent.get();
+        let at = r.iter().position(|&x| x == c).unwrap_or(RECENT_WINDOWS - 1);
+        r.copy_within(0..at, 1);
+        r[0] = c;
+        self.recent.set(r);
     }
 
     /// Where in the address space a request of `len` bytes is placed: one
@@ -294,6 +314,11 @@ impl ArenaState {
     }
 }
 
+/// How many windows chosen by the last searches for huge blocks the next
+/// one weighs first: a training step of GPT-2 places three huge blocks,
+/// each in a window of its own, the same ones step after step.
+const RECENT_WINDOWS: usize = 4;
+
 /// Requests below this size are placed in the small zone (measured on the
 /// GPT-2 traces: keeping sub-MiB blocks apart lowered the warm-pass
 /// footprint on gpt2-varlen from 1.023 to 1.020 of peak live).
@@ -514,9 +539,39 @@ fn paged_best_window(
     resolve(window, q);
     let s: Sums = window.iter().map(|&t| val(&vals, t)).sum();
     let mut best = (key(s, q * page), s);
-    if s == 0 {
-        // Nothing can beat it: every other window's bound is above.
-        return Some((0, 0, q * page));
+    let mask = (1 << FIELD) - 1;
+    let answer = |(_, s): ((Sums, usize), Sums), start: usize| {
+        st.remember_window(start / page);
+        Some(((s & mask) as usize, ((s >> FIELD) & mask) as usize, start))
+    };
+    if s >> FIELD == low {
+        // Nothing can beat it: every other window's key is at least its
+        // bound, which is above, or equal for a later start.
+        return answer(best, q * page);
+    }
+    // The windows the last searches chose, where they are windows here
+    // whose bound is below the key to beat: a training loop places its
+    // huge blocks in the same windows step after step, and the key of
+    // such a window, worked out now, is usually the best one, which
+    // narrows the stretches weighed below to the windows that can tie
+    // with it. Their pages' ghosts worked out are kept in `terms`.
+    for c in st.recent_windows() {
+        let mut off = 0;
+        for &(qlo, qhi, at) in &spans {
+            if (qlo..=qhi).contains(&c) {
+                if bounds[off + c - qlo] < best.0 .0 {
+                    let window = &mut terms[at + c - qlo..at + c - qlo + n];
+                    resolve(window, c);
+                    let s: Sums = window.iter().map(|&t| val(&vals, t)).sum();
+                    let cand = key(s, c * page);
+                    if cand < best.0 {
+                        best = (cand, s);
+                    }
+                }
+                break;
+            }
+            off += qhi - qlo + 1;
+        }
     }
     // 2. Per span, the stretch from the first to the last window whose
     // bound is not above the best key (equal ones are taken whatever
@@ -541,13 +596,7 @@ fn paged_best_window(
             }
         });
     }
-    let (_, s) = best;
-    let mask = (1 << FIELD) - 1;
-    Some((
-        (s & mask) as usize,
-        ((s >> FIELD) & mask) as usize,
-        best.0 .1,
-    ))
+    answer(best, best.0 .1)
 }
 
 /// A page's cost in [`paged_best_window`], in the flags of the arena's
@@ -1367,6 +1416,74 @@ mod tests {
             }
         }
         assert!(picked > 1000, "the random arenas have idle pages to pick");
+    }
+
+    /// Searches in a row on an arena that changes between them (blocks
+    /// taken where a search chose, given back, pages moved away leaving
+    /// ghosts), as a training loop makes them: the windows remembered
+    /// from the last searches, stale or not, never change the answer the
+    /// walk over every candidate start finds.
+    #[test]
+    fn remembered_windows_leave_the_answer_as_the_walk_finds_it() {
+        let page = 4096;
+        let (clock, reuse) = (VectorClock::default(), ReusePolicy::default());
+        let (mut found, mut remembered) = (0, 0);
+        for seed in 0..300 {
+            let state = Mutex::new(random_state(seed));
+            let mut st = lock(&state);
+            let mut rng = Rng(seed | 1);
+            let zone = st.zone(usize::MAX);
+            let mut taken: Vec<(usize, usize)> = Vec::new();
+            for _ in 0..40 {
+                let len = [3 * page, 5 * page, 9 * page][rng.below(3)];
+                let (me, keep) = (rng.below(3) as u64, rng.below(2) == 0);
+                remembered += st.recent_windows().count();
+                let walked = walked_best_window(&st, len, page, &zone, me, &clock, reuse, keep);
+                let paged = paged_best_window(&st, len, &zone, me, &clock, reuse, keep);
+                assert_eq!(
+                    paged, walked,
+                    "seed {seed}, len {len}, stream {me}, keep {keep}"
+                );
+                let Some((_, _, start)) = walked else {
+                    continue;
+                };
+                found += 1;
+                match rng.below(4) {
+                    // Map the window's holes with their ghosts where free,
+                    // and take a block there, as page mapping would.
+                    0 | 1 if st.arena.span_active(start, len) => {
+                        st.arena.take(start, len);
+                        taken.push((start, len));
+                    }
+                    // Give a block back, complete or pending.
+                    2 if !taken.is_empty() => {
+                        let (o, l) = taken.swap_remove(rng.below(taken.len()));
+                        let guard = match rng.below(2) {
+                            0 => Guard::Complete,
+                            _ => Guard::After {
+                                stream: 1,
+                                epoch: 5,
+                            },
+                        };
+                        st.arena.give_back(o, l, guard);
+                    }
+                    // Move an idle page away: a ghost where it was.
+                    _ => {
+                        let idle: Vec<usize> = st.arena.idle_pages().collect();
+                        if !idle.is_empty() {
+                            let p = idle[rng.below(idle.len())];
+                            let i = st.arena.mapping_at(p).expect("mapped");
+                            if st.arena.owner(i) == Some(p) && st.page_complete(p) {
+                                st.arena.deactivate(p);
+                                st.arena.push_spare(i);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(found > 5_000, "only {found} windows found");
+        assert!(remembered > 20_000, "only {remembered} windows remembered");
     }
 
     /// The slide over a span's pages finds the window the walk over every
