@@ -148,6 +148,16 @@ impl PageSet {
             })
     }
 
+    /// How many pages of `lo..hi` are in the set, a word at a time.
+    fn count_range(&self, lo: usize, hi: usize) -> usize {
+        if lo >= hi {
+            return 0;
+        }
+        (lo / 64..=(hi - 1) / 64)
+            .map(|w| (self.words[w] & Self::mask_in(w, lo, hi)).count_ones() as usize)
+            .sum()
+    }
+
     /// Remove pages `lo..hi` (none when `lo >= hi`), a word at a time.
     fn remove_range(&mut self, lo: usize, hi: usize) {
         if lo < hi {
@@ -2887,6 +2897,17 @@ impl Arena {
         &self.kinds[pages]
     }
 
+    /// How many pages of `pages` are holes (not active), and how many of
+    /// those have no mapping at all: a word of the page sets at a time.
+    pub fn holes_and_unmapped(&self, pages: std::ops::Range<usize>) -> (usize, usize) {
+        let (lo, hi) = (pages.start, pages.end);
+        let n = hi.saturating_sub(lo);
+        (
+            n - self.active.count_range(lo, hi),
+            n - self.mapped.count_range(lo, hi),
+        )
+    }
+
     /// Where physical unit `i` is active (its first page), if anywhere,
     /// and the pages it spans: its books read once.
     pub fn owner_and_pages(&self, i: usize) -> (Option<usize>, usize) {
@@ -3021,6 +3042,11 @@ mod tests {
             let hi = (lo + next() as usize % 200).min(n);
             let all = (lo..hi).all(|p| model.contains(&p));
             assert_eq!(set.contains_range(lo, hi), all, "pages {lo}..{hi}");
+            assert_eq!(
+                set.count_range(lo, hi),
+                model.range(lo..hi.max(lo)).count(),
+                "count of pages {lo}..{hi}"
+            );
             if lo < hi {
                 if all {
                     full += 1;
