@@ -148,14 +148,20 @@ impl PageSet {
             })
     }
 
-    /// How many pages of `lo..hi` are in the set, a word at a time.
+    /// How many pages of `lo..hi` are in the set, a word at a time (only
+    /// the first and last words masked).
     fn count_range(&self, lo: usize, hi: usize) -> usize {
         if lo >= hi {
             return 0;
         }
-        (lo / 64..=(hi - 1) / 64)
-            .map(|w| (self.words[w] & Self::mask_in(w, lo, hi)).count_ones() as usize)
-            .sum()
+        let (wl, wh) = (lo / 64, (hi - 1) / 64);
+        if wl == wh {
+            return (self.words[wl] & Self::mask_in(wl, lo, hi)).count_ones() as usize;
+        }
+        let inner: u32 = self.words[wl + 1..wh].iter().map(|w| w.count_ones()).sum();
+        ((self.words[wl] & Self::mask_in(wl, lo, hi)).count_ones()
+            + inner
+            + (self.words[wh] & Self::mask_in(wh, lo, hi)).count_ones()) as usize
     }
 
     /// Remove pages `lo..hi` (none when `lo >= hi`), a word at a time.
