@@ -148,6 +148,22 @@ impl PageSet {
             })
     }
 
+    /// How many pages of `lo..hi` are in the set, a word at a time (only
+    /// the first and last words masked).
+    fn count_range(&self, lo: usize, hi: usize) -> usize {
+        if lo >= hi {
+            return 0;
+        }
+        let (wl, wh) = (lo / 64, (hi - 1) / 64);
+        if wl == wh {
+            return (self.words[wl] & Self::mask_in(wl, lo, hi)).count_ones() as usize;
+        }
+        let inner: u32 = self.words[wl + 1..wh].iter().map(|w| w.count_ones()).sum();
+        ((self.words[wl] & Self::mask_in(wl, lo, hi)).count_ones()
+            + inner
+            + (self.words[wh] & Self::mask_in(wh, lo, hi)).count_ones()) as usize
+    }
+
     /// Remove pages `lo..hi` (none when `lo >= hi`), a word at a time.
     fn remove_range(&mut self, lo: usize, hi: usize) {
         if lo < hi {
@@ -773,6 +789,26 @@ pub(crate) struct FreeRange {
     pub guard: Guard,
 }
 
+/// A page's kind as one byte, in [`Arena::page_kinds`]: flags that the
+/// huge-block window search adds up as they are. An active page is 0.
+/// Not active (a hole: a page to activate for a block placed over it).
+pub(crate) const KIND_HOLE: u8 = 1;
+/// With no mapping at all: a hole that costs a driver bind.
+pub(crate) const KIND_UNMAPPED: u8 = 2;
+/// With a ghost mapping: a hole whose page may come back with no bind.
+pub(crate) const KIND_GHOST: u8 = 8;
+
+/// The kind [`Arena::page_kinds`] keeps for a page whose slot is `s`
+/// (the model the kept bytes are checked against).
+#[cfg(test)]
+fn slot_kind(s: &PageSlot) -> u8 {
+    match s.mapped {
+        None => KIND_HOLE | KIND_UNMAPPED,
+        Some(_) if s.active => 0,
+        Some(_) => KIND_HOLE | KIND_GHOST,
+    }
+}
+
 #[derive(Debug, Clone, Copy, Default)]
 struct PageSlot {
     /// The physical page mapped here at the driver level (active or ghost).
@@ -800,6 +836,13 @@ pub(crate) struct Arena {
     page: usize,
     page_no: PageNo,
     pages: Vec<PageSlot>,
+    /// Per page: its slot's kind (active, ghost or unmapped; see
+    /// [`KIND_HOLE`]), one byte each, written wherever a slot changes. The
+    /// window search for huge blocks reads the kinds of thousands of
+    /// pages per search, of which few changed since the last one: a dense
+    /// copy of them is a plain memory copy, where reading the slots cost
+    /// a load and a match per page.
+    kinds: Vec<u8>,
     /// Per page: the blocks handed out (or held in a stream cache) that
     /// overlap it. Apart from the slots, four bytes a page: every take and
     /// give-back writes these for each page of its block, and a denser
@@ -868,6 +911,7 @@ impl Arena {
             page,
             page_no: PageNo::new(page),
             pages: vec![PageSlot::default(); va_size / page],
+            kinds: vec![KIND_HOLE | KIND_UNMAPPED; va_size / page],
             users: vec![0; va_size / page],
             phys: Slab::new(),
             multi_units: 0,
@@ -2108,6 +2152,7 @@ impl Arena {
         for q in p..p + k {
             assert!(self.pages[q].mapped.is_none() && !self.pages[q].active);
             self.pages[q].mapped = Some(phys);
+            self.kinds[q] = KIND_HOLE | KIND_GHOST;
             self.mapped.insert(q);
         }
         self.phys[phys].mappings.push(p);
@@ -2123,6 +2168,7 @@ impl Arena {
         for q in base..base + k {
             assert!(!self.pages[q].active, "forgetting an active mapping");
             self.pages[q].mapped = None;
+            self.kinds[q] = KIND_HOLE | KIND_UNMAPPED;
             self.mapped.remove(q);
         }
         self.phys[phys].mappings.retain(|&q| q != base);
@@ -2554,6 +2600,7 @@ impl Arena {
         }
         for q in p..p + n {
             self.pages[q].active = true;
+            self.kinds[q] = 0;
             self.idle_since[q] = self.idle_clock;
             self.idle_clock += 1;
         }
@@ -2661,6 +2708,7 @@ impl Arena {
             self.idle.remove(q);
             assert!(self.pages[q].active, "deactivating an inactive page");
             self.pages[q].active = false;
+            self.kinds[q] = KIND_HOLE | KIND_GHOST;
             self.active.remove(q);
         }
     }
@@ -2668,6 +2716,9 @@ impl Arena {
     /// Check every invariant (tests only; linear time).
     #[cfg(test)]
     pub fn check(&self) {
+        for (p, s) in self.pages.iter().enumerate() {
+            assert_eq!(self.kinds[p], slot_kind(s), "kind of page {p}");
+        }
         let mut cursor = 0usize;
         let mut items: Vec<(usize, usize, bool)> = self
             .free
@@ -2847,14 +2898,20 @@ impl Arena {
         }
     }
 
-    /// Per page of `pages`: the physical unit mapped there (active or
-    /// ghost), if any, and whether that mapping is active; each page's
-    /// books read once.
-    pub fn page_states(
-        &self,
-        pages: std::ops::Range<usize>,
-    ) -> impl Iterator<Item = (Option<usize>, bool)> + '_ {
-        self.pages[pages].iter().map(|s| (s.mapped, s.active))
+    /// The kinds of pages `pages` (see [`KIND_HOLE`]), as the slots say.
+    pub fn page_kinds(&self, pages: std::ops::Range<usize>) -> &[u8] {
+        &self.kinds[pages]
+    }
+
+    /// How many pages of `pages` are holes (not active), and how many of
+    /// those have no mapping at all: a word of the page sets at a time.
+    pub fn holes_and_unmapped(&self, pages: std::ops::Range<usize>) -> (usize, usize) {
+        let (lo, hi) = (pages.start, pages.end);
+        let n = hi.saturating_sub(lo);
+        (
+            n - self.active.count_range(lo, hi),
+            n - self.mapped.count_range(lo, hi),
+        )
     }
 
     /// Where physical unit `i` is active (its first page), if anywhere,
@@ -2991,6 +3048,11 @@ mod tests {
             let hi = (lo + next() as usize % 200).min(n);
             let all = (lo..hi).all(|p| model.contains(&p));
             assert_eq!(set.contains_range(lo, hi), all, "pages {lo}..{hi}");
+            assert_eq!(
+                set.count_range(lo, hi),
+                model.range(lo..hi.max(lo)).count(),
+                "count of pages {lo}..{hi}"
+            );
             if lo < hi {
                 if all {
                     full += 1;
@@ -3532,6 +3594,90 @@ mod tests {
         a.check();
         assert!((8..12).all(|p| a.mapping_at(p).is_none()));
         assert_eq!(a.mappings(u), &[20]);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(300))]
+
+        /// The page kinds kept byte by byte are what the slots say, page
+        /// by page, after every step of random mappings, activations (one
+        /// unit, or runs of single pages), deactivations and forgotten
+        /// ghosts, with units of one, two and four pages.
+        #[test]
+        fn page_kinds_agree_with_the_slots(ops in index_ops()) {
+            let pages = 64;
+            let mut a = arena_with_pages(0);
+            let mut units: Vec<usize> = Vec::new();
+            for (k, x, y) in ops {
+                let (x, y) = (x as usize, y as usize);
+                match k % 6 {
+                    0 => units.push(a.add_unit(Physical(units.len() as u64), 1 << (x % 3))),
+                    // Map a unit over holes with no mapping.
+                    1 if !units.is_empty() => {
+                        let i = units[y % units.len()];
+                        let n = a.unit_pages(i);
+                        let p = x % (pages - n + 1);
+                        if (p..p + n).all(|q| a.mapping_at(q).is_none())
+                            && a.mappings(i).len() < 4
+                        {
+                            a.record_mapping(p, i);
+                        }
+                    }
+                    // Activate a unit at one of its ghosts.
+                    2 if !units.is_empty() => {
+                        let i = units[y % units.len()];
+                        let ms = a.mappings(i).to_vec();
+                        if a.owner(i).is_none() && !ms.is_empty() {
+                            a.activate(ms[x % ms.len()], i);
+                        }
+                    }
+                    // Deactivate the unit active at an idle page.
+                    3 => {
+                        let idle: Vec<usize> = a.idle_pages().collect();
+                        if let Some(&p) = idle.get(x % idle.len().max(1)) {
+                            let i = a.mapping_at(p).expect("mapped");
+                            if let Some(o) = a.owner(i) {
+                                a.deactivate(o);
+                            }
+                        }
+                    }
+                    // Forget a ghost mapping.
+                    4 => {
+                        let p = x % pages;
+                        if a.mapping_at(p).is_some() && !a.is_active(p) {
+                            a.forget_mapping(p);
+                        }
+                    }
+                    // A run of single pages with ghosts at consecutive
+                    // pages comes back together, and goes again.
+                    _ => {
+                        let p = x % pages;
+                        let mut run: Vec<usize> = Vec::new();
+                        for q in p..pages.min(p + 1 + y % 4) {
+                            match a.mapping_at(q) {
+                                Some(i)
+                                    if !a.is_active(q)
+                                        && a.unit_pages(i) == 1
+                                        && a.owner(i).is_none()
+                                        && !run.contains(&i) =>
+                                {
+                                    run.push(i)
+                                }
+                                _ => break,
+                            }
+                        }
+                        if !run.is_empty() {
+                            a.activate_singles(p, &run);
+                            if y % 2 == 0 {
+                                a.deactivate_singles(p, run.len());
+                            }
+                        }
+                    }
+                }
+                let want: Vec<u8> = a.pages[..pages].iter().map(slot_kind).collect();
+                proptest::prop_assert_eq!(a.page_kinds(0..pages), &want[..]);
+            }
+        }
     }
 
     #[test]
