@@ -660,7 +660,14 @@ fn epochs_meet(a: Guard, b: Guard) -> bool {
 struct PendingIndex {
     /// Only streams with a range pending.
     streams: Vec<StreamPending>,
+    /// Emptied lists of epochs, kept with their room for the next stream
+    /// that has a range pending (a stream's ranges often all settle, and
+    /// it has some again at its next free).
+    spare: Vec<std::collections::VecDeque<EpochPending>>,
 }
+
+/// Most emptied lists kept for reuse.
+const SPARE_LISTS: usize = 8;
 
 #[derive(Debug)]
 struct StreamPending {
@@ -709,17 +716,21 @@ impl PendingIndex {
         let i = match self.stream_at(stream) {
             Some(i) => i,
             None => {
-                self.streams.push(StreamPending {
-                    stream,
-                    epochs: Default::default(),
-                });
+                let epochs = self.spare.pop().unwrap_or_default();
+                self.streams.push(StreamPending { stream, epochs });
                 self.streams.len() - 1
             }
         };
-        let s = &mut self.streams[i];
-        match Self::epoch_at(s, epoch) {
-            Ok(k) => s.epochs[k].ranges += 1,
-            Err(k) => s.epochs.insert(k, EpochPending { epoch, ranges: 1 }),
+        let epochs = &mut self.streams[i].epochs;
+        match epochs.back_mut() {
+            Some(e) if e.epoch == epoch => e.ranges += 1,
+            // The stream's newest epoch, as a free usually is.
+            Some(e) if e.epoch < epoch => epochs.push_back(EpochPending { epoch, ranges: 1 }),
+            None => epochs.push_back(EpochPending { epoch, ranges: 1 }),
+            Some(_) => match epochs.binary_search_by_key(&epoch, |e| e.epoch) {
+                Ok(k) => epochs[k].ranges += 1,
+                Err(k) => epochs.insert(k, EpochPending { epoch, ranges: 1 }),
+            },
         }
     }
 
@@ -730,9 +741,18 @@ impl PendingIndex {
         let k = Self::epoch_at(s, epoch).expect("a pending epoch is indexed");
         s.epochs[k].ranges -= 1;
         if s.epochs[k].ranges == 0 {
-            s.epochs.remove(k);
+            if k + 1 == s.epochs.len() {
+                s.epochs.pop_back();
+            } else if k == 0 {
+                s.epochs.pop_front();
+            } else {
+                s.epochs.remove(k);
+            }
             if s.epochs.is_empty() {
-                self.streams.swap_remove(i);
+                let s = self.streams.swap_remove(i);
+                if self.spare.len() < SPARE_LISTS {
+                    self.spare.push(s.epochs);
+                }
             }
         }
     }
