@@ -448,7 +448,8 @@ fn walked_best_window(
 /// the lowest one's key is the one to beat ([`lowest_bound_first`]).
 /// Measured on gpt2-fixed (host, `--va-size 56G`, warm pass): 90 searches
 /// slid 193,509 bounds and worked out 117,301 ghosts the second way; the
-/// first way skips most bounds and works out about a third of the ghosts.
+/// first way counts 1,292 bounds, passes over 146,553 windows and works
+/// out 35,381 ghosts.
 fn paged_best_window(
     st: &State<'_>,
     len: usize,
@@ -1559,8 +1560,8 @@ mod tests {
                 };
                 found += 1;
                 match rng.below(4) {
-                    // Map the window's holes with their ghosts where free,
-                    // and take a block there, as page mapping would.
+                    // Take a block over the window chosen, where all its
+                    // pages are active.
                     0 | 1 if st.arena.span_active(start, len) => {
                         st.arena.take(start, len);
                         taken.push((start, len));
