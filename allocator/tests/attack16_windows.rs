@@ -263,7 +263,7 @@ fn run(s: &Setup, seed: u64) -> (u64, u64) {
         tag: 0,
         checked: 0,
     };
-    let mut huge_placed = 0u64;
+    let (mut huge_placed, mut refills) = (0u64, 0u64);
     let pick = |rng: &mut Rng| streams[rng.range(0, 3) as usize];
     for step in 0..s.steps {
         // The step's huge blocks: two or three of the sizes, in an order
@@ -363,6 +363,39 @@ fn run(s: &Setup, seed: u64) -> (u64, u64) {
             let keep = rng.range(0, cap as u64 / 2) * PAGE as u64;
             pool.trim_to(keep).unwrap();
         }
+        // Two huge blocks of other sizes, the first freed and, once
+        // synchronized, asked for again at its size on another stream: its
+        // window is all active and free, so the best window costs nothing
+        // (whatever the last searches chose): no growth, no bind, no
+        // rebind.
+        let (l1, l2) = (
+            HUGE[rng.range(0, 3) as usize],
+            HUGE[rng.range(0, 3) as usize],
+        );
+        let what = format!("step {step} refill");
+        if let Some(i) = w.alloc(l1, pick(&mut rng), true, &what) {
+            let t1 = w.live[i].tag;
+            w.alloc(l2, pick(&mut rng), true, &what);
+            let i = w.live.iter().position(|l| l.tag == t1).unwrap();
+            let on = pick(&mut rng);
+            w.free(i, on);
+            w.verify(&what);
+            let before = pool.stats();
+            let got = w.alloc(l1, pick(&mut rng), true, &what);
+            let after = pool.stats();
+            assert!(
+                got.is_some()
+                    && (after.growths, after.remaps, after.rebinds)
+                        == (before.growths, before.remaps, before.rebinds),
+                "{} seed {seed}: {what}: {l1} B again after {l2} B: {before:?} -> {after:?}",
+                s.label
+            );
+            refills += 1;
+        }
+        while let Some(i) = w.live.iter().position(|l| l.transient) {
+            let on = w.live[i].stream;
+            w.free(i, on);
+        }
     }
     for l in std::mem::take(&mut w.live) {
         pool.free_async(l.a, l.stream).unwrap();
@@ -382,6 +415,11 @@ fn run(s: &Setup, seed: u64) -> (u64, u64) {
     drop(w);
     drop(pool);
     assert_eq!(dev.live_mappings(), 0, "{} seed {seed}", s.label);
+    assert!(
+        refills > 3,
+        "{} seed {seed}: only {refills} refills",
+        s.label
+    );
     (huge_placed, checked)
 }
 
