@@ -481,3 +481,90 @@ fn training_loop_internal_dependencies() {
         9..=12,
     );
 }
+
+/// Rounds of: a few huge blocks kept, several others placed and freed
+/// around them with partial trims between (so the windows the last
+/// searches chose are none of the kept ones, and the free windows cost
+/// binds or activations in varied runs), then one kept block freed and,
+/// once synchronized, its size asked for again. Its window is the only
+/// one sure to be all active and free, and costs nothing: the search must
+/// find a window of no cost (no growth, no bind, no rebind), wherever
+/// the remembered windows and the runs of dear windows lie.
+fn forgotten_window(seed: u64) -> u64 {
+    let cap = 4 * (300 * MIB).div_ceil(PAGE) + 8;
+    let dev = Arc::new(common::host_with_capacity(cap * PAGE + 64 * MIB));
+    let cfg = PoolConfig::default()
+        .with_va_size(32 << 30)
+        .with_max_size((cap * PAGE) as u64)
+        .with_stream_cache_bytes(0)
+        .with_reuse(reuse(true, true, false));
+    let pool = MemPool::new(dev.clone(), cfg).expect("pool");
+    let streams = common::streams(&*dev, 3);
+    let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    let sizes = |rng: &mut Rng| {
+        let pages = rng.range(128, 150) as usize;
+        pages * PAGE - rng.range(0, 1) as usize * 12 * KIB
+    };
+    let mut checked = 0;
+    for round in 0..10 {
+        let what = format!("forgotten seed {seed} round {round}");
+        pool.synchronize().unwrap();
+        pool.trim_to(rng.range(0, cap as u64) * PAGE as u64)
+            .unwrap();
+        let mut kept: Vec<Allocation> = Vec::new();
+        for _ in 0..rng.range(1, 3) {
+            let st = streams[rng.range(0, 2) as usize];
+            if let Ok(a) = pool.alloc_async(sizes(&mut rng), st) {
+                kept.push(a);
+            }
+        }
+        // Other windows chosen after the kept ones: at least as many as
+        // the searches remember.
+        for _ in 0..rng.range(4, 7) {
+            let st = streams[rng.range(0, 2) as usize];
+            if let Ok(a) = pool.alloc_async(sizes(&mut rng), st) {
+                pool.free_async(a, st).unwrap();
+            }
+            if rng.range(0, 3) > 0 {
+                pool.synchronize().unwrap();
+                let r = pool.stats().reserved_current;
+                pool.trim_to(r.saturating_sub(rng.range(1, 140) * PAGE as u64))
+                    .unwrap();
+            }
+        }
+        if kept.is_empty() {
+            continue;
+        }
+        let k = kept.swap_remove(rng.range(0, kept.len() as u64 - 1) as usize);
+        let (len, at) = (k.size(), k.ptr());
+        pool.free_async(k, streams[0]).unwrap();
+        pool.synchronize().unwrap();
+        let before = pool.stats();
+        let got = pool.alloc_async(len, streams[1]);
+        let after = pool.stats();
+        assert!(
+            got.is_ok()
+                && (after.growths, after.remaps, after.rebinds)
+                    == (before.growths, before.remaps, before.rebinds),
+            "{what}: {len} B freed at {at:#x} asked for again: {:?}, {before:?} -> {after:?}",
+            got.as_ref().map(|a| a.ptr())
+        );
+        checked += 1;
+        kept.push(got.unwrap());
+        for a in kept {
+            pool.free_async(a, streams[2]).unwrap();
+        }
+    }
+    pool.synchronize().unwrap();
+    pool.trim_to(0).unwrap();
+    assert_eq!(pool.stats().reserved_current, 0, "forgotten seed {seed}");
+    drop(pool);
+    assert_eq!(dev.live_mappings(), 0, "forgotten seed {seed}");
+    checked
+}
+
+#[test]
+fn forgotten_windows_still_found() {
+    let checked: u64 = (1..=16).map(forgotten_window).sum();
+    assert!(checked > 30, "only {checked} refills checked");
+}
