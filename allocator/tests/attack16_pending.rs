@@ -357,6 +357,13 @@ fn run(s: &Setup, seed: u64) -> u64 {
     pool.synchronize().unwrap();
     pool.trim_to(0).unwrap();
     assert_eq!(pool.stats().reserved_current, 0, "{label} seed {seed}");
+    // Nothing live, everything complete and released: no stream has a
+    // free range pending, and no retired stream lingers for one.
+    let fp = pool.stream_footprint();
+    assert!(
+        fp.pending_streams == 0 && fp.lingering == 0,
+        "{label} seed {seed}: ranges still pending at the end: {fp:?}"
+    );
     assert_eq!(dev.live_handles(), 0, "{label} seed {seed}");
     drop(pool);
     assert_eq!(dev.live_mappings(), 0, "{label} seed {seed}");

@@ -410,6 +410,10 @@ fn run(s: &Setup, seed: u64) -> (u64, u64) {
     pool.synchronize().unwrap();
     pool.trim_to(0).unwrap();
     assert_eq!(pool.stats().reserved_current, 0, "{} seed {seed}", s.label);
+    // Nothing live, everything complete and released: no stream has a
+    // free range pending.
+    let fp = pool.stream_footprint();
+    assert_eq!(fp.pending_streams, 0, "{} seed {seed}: {fp:?}", s.label);
     assert_eq!(dev.live_handles(), 0, "{} seed {seed}", s.label);
     let checked = w.checked;
     drop(w);
