@@ -20,6 +20,18 @@
 //! - at the end, everything freed, `trim_to(0)` leaves nothing reserved.
 //!
 //! Work is bounded by operation counts.
+//!
+//! Caught: a range split off a pending one by a take, or given back with
+//! no free neighbour, or merged into its left neighbour under a new guard,
+//! without its count (the arena's index refuses the later uncount); a
+//! give-back merging both neighbours that leaves the left one's count
+//! (ranges still pending at the end, even without the arena's debug
+//! checks); a settle walk stopping one range early and a page's kind not
+//! written on (de)activation (the arena's debug checks, which these runs
+//! reach). Not caught from outside: a settle walk stopping early with the
+//! debug check removed (the next settle finds the range), and the
+//! upgrade's merge of both neighbours keeping the left count (the left
+//! neighbour is complete there).
 
 mod common;
 

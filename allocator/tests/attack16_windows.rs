@@ -19,6 +19,13 @@
 //! - at the end, everything freed, nothing is left reserved.
 //!
 //! Work is bounded by operation counts.
+//!
+//! Caught: the counts of pending ranges going wrong (as in
+//! `attack16_pending`), a page's kind not written on (de)activation, a
+//! recount after a skip taken one page off. Not caught: a skip one window
+//! too far (it matters only where the key to beat has no binds, and the
+//! windows reached here cost as many binds as activations), and a page
+//! kind left as a ghost once its mapping is forgotten.
 
 mod common;
 
@@ -495,7 +502,7 @@ fn training_loop_internal_dependencies() {
 /// find a window of no cost (no growth, no bind, no rebind), wherever
 /// the remembered windows and the runs of dear windows lie.
 fn forgotten_window(seed: u64) -> u64 {
-    let cap = 4 * (300 * MIB).div_ceil(PAGE) + 8;
+    let cap = 3 * (300 * MIB).div_ceil(PAGE) + 8;
     let dev = Arc::new(common::host_with_capacity(cap * PAGE + 64 * MIB));
     let cfg = PoolConfig::default()
         .with_va_size(32 << 30)
@@ -536,6 +543,20 @@ fn forgotten_window(seed: u64) -> u64 {
                     .unwrap();
             }
         }
+        // Medium blocks under the cap: pages moved to them from the free
+        // huge windows leave ghosts there, which can come back once the
+        // blocks are freed (windows that cost activations but no bind).
+        let mut medium = Vec::new();
+        for _ in 0..rng.range(0, 12) {
+            match pool.alloc_async(rng.range(9, 15) as usize * MIB, streams[2]) {
+                Ok(a) => medium.push(a),
+                Err(_) => break,
+            }
+        }
+        for a in medium {
+            pool.free_async(a, streams[2]).unwrap();
+        }
+        pool.synchronize().unwrap();
         if kept.is_empty() {
             continue;
         }
