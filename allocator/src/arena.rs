@@ -1202,6 +1202,7 @@ impl Arena {
 
     /// Bytes `[off, off+len)` became free: extend the runs around them
     /// (inside the best-fit regions).
+    #[inline]
     fn run_add(&mut self, off: usize, len: usize) {
         for i in 0..self.fit_regions.len() {
             let r = &self.fit_regions[i];
@@ -1214,6 +1215,7 @@ impl Arena {
 
     /// Bytes `[off, off+len)`, free, stop being free: split their run
     /// (inside the best-fit regions).
+    #[inline]
     fn run_remove(&mut self, off: usize, len: usize) {
         for i in 0..self.fit_regions.len() {
             let r = &self.fit_regions[i];
