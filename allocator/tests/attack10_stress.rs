@@ -58,13 +58,7 @@ const STRIDE: u64 = 1024;
 
 /// The words block `l` carries: (index in the block, value).
 fn words_of(l: &Live) -> Vec<(usize, u32)> {
-    let (ptr, size) = (l.a.ptr(), (l.a.size() / 4 * 4) as u64);
-    let first = ptr.next_multiple_of(STRIDE);
-    (first..ptr + size)
-        .step_by(STRIDE as usize)
-        .enumerate()
-        .map(|(j, addr)| (((addr - ptr) / 4) as usize, l.tag << 16 ^ j as u32))
-        .collect()
+    common::strided_words(l.a.ptr(), l.a.size(), l.tag, STRIDE, 16, false)
 }
 
 /// Enqueue on `stream` a "kernel" writing block `l`'s words; the receiver

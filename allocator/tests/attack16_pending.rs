@@ -36,8 +36,7 @@
 mod common;
 
 use common::{Blocker, Rng};
-use std::sync::atomic::Ordering;
-use std::sync::mpsc::{channel, Receiver};
+use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use tidepool::{Allocation, MemPool, PoolConfig, ReusePolicy};
 use tidepool_sys::{Device, HostDevice, Stream};
@@ -64,22 +63,7 @@ fn stride(size: usize) -> u64 {
 
 /// The words block `l` carries: (index in the block, value).
 fn words_of(l: &Live) -> Vec<(usize, u32)> {
-    let (ptr, size) = (l.a.ptr(), (l.a.size() / 4 * 4) as u64);
-    let st = stride(l.a.size());
-    let first = ptr.next_multiple_of(st);
-    let mut w: Vec<(usize, u32)> = (first..ptr + size)
-        .step_by(st as usize)
-        .enumerate()
-        .map(|(j, addr)| (((addr - ptr) / 4) as usize, l.tag << 12 ^ j as u32))
-        .collect();
-    // Both ends, whatever the stride.
-    if size >= 4 {
-        w.push((0, l.tag ^ 0xA5A5_0000));
-        w.push(((size / 4 - 1) as usize, l.tag ^ 0x5A5A_0000));
-    }
-    w.sort_by_key(|x| x.0);
-    w.dedup_by_key(|x| x.0);
-    w
+    common::strided_words(l.a.ptr(), l.a.size(), l.tag, stride(l.a.size()), 12, true)
 }
 
 fn write_kernel(dev: &HostDevice, stream: Stream, l: &Live) -> Receiver<bool> {
@@ -87,20 +71,7 @@ fn write_kernel(dev: &HostDevice, stream: Stream, l: &Live) -> Receiver<bool> {
 }
 
 fn check_kernel(dev: &HostDevice, stream: Stream, l: &Live) -> Receiver<Option<(usize, u32)>> {
-    let (tx, rx) = channel();
-    let words = words_of(l);
-    dev.launch_on_words(stream, l.a.ptr(), l.a.size() / 4 * 4, move |r| {
-        let bad = match r {
-            Ok(w) => words
-                .iter()
-                .find(|&&(i, v)| w[i].load(Ordering::Relaxed) != v)
-                .map(|&(i, _)| (i, w[i].load(Ordering::Relaxed))),
-            Err(_) => Some((usize::MAX, 0)),
-        };
-        let _ = tx.send(bad);
-    })
-    .expect("launch check");
-    rx
+    common::check_words_at(dev, stream, l.a.ptr(), l.a.size() / 4 * 4, words_of(l))
 }
 
 struct Setup {

@@ -265,6 +265,60 @@ pub fn write_words_at(
     rx
 }
 
+/// The words a stress test keeps in a live block of `size` bytes at `ptr`
+/// under `tag`: (index in the block, value). One word at every multiple
+/// of `stride` of the address (so two blocks sharing memory share word
+/// positions), the j-th holding `tag << shift ^ j`; with `ends`, the first
+/// and last words too, whatever the stride.
+pub fn strided_words(
+    ptr: DevicePtr,
+    size: usize,
+    tag: u32,
+    stride: u64,
+    shift: u32,
+    ends: bool,
+) -> Vec<(usize, u32)> {
+    let size = (size / 4 * 4) as u64;
+    let first = ptr.next_multiple_of(stride);
+    let mut w: Vec<(usize, u32)> = (first..ptr + size)
+        .step_by(stride as usize)
+        .enumerate()
+        .map(|(j, addr)| (((addr - ptr) / 4) as usize, tag << shift ^ j as u32))
+        .collect();
+    if ends && size >= 4 {
+        w.push((0, tag ^ 0xA5A5_0000));
+        w.push(((size / 4 - 1) as usize, tag ^ 0x5A5A_0000));
+        w.sort_by_key(|x| x.0);
+        w.dedup_by_key(|x| x.0);
+    }
+    w
+}
+
+/// Enqueue on `stream` a "kernel" checking `words` of the `len` bytes at
+/// `ptr`: the first that differs as (index, found), `(usize::MAX, 0)`
+/// when the memory was not mapped, or `None`.
+pub fn check_words_at(
+    dev: &HostDevice,
+    stream: Stream,
+    ptr: DevicePtr,
+    len: usize,
+    words: Vec<(usize, u32)>,
+) -> Receiver<Option<(usize, u32)>> {
+    let (tx, rx) = channel();
+    dev.launch_on_words(stream, ptr, len, move |r| {
+        let bad = match r {
+            Ok(w) => words
+                .iter()
+                .find(|&&(i, v)| w[i].load(Ordering::Relaxed) != v)
+                .map(|&(i, _)| (i, w[i].load(Ordering::Relaxed))),
+            Err(_) => Some((usize::MAX, 0)),
+        };
+        let _ = tx.send(bad);
+    })
+    .expect("launch check");
+    rx
+}
+
 /// Whether `[a, a + alen)` and `[b, b + blen)` share a byte.
 pub fn overlaps(a: DevicePtr, alen: usize, b: DevicePtr, blen: usize) -> bool {
     a < b + blen as u64 && b < a + alen as u64
