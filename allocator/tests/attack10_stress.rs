@@ -34,7 +34,7 @@
 
 mod common;
 
-use common::{Blocker, Rng};
+use common::Rng;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use tidepool::{Allocation, MemPool, PoolConfig, ReusePolicy};
@@ -78,12 +78,7 @@ fn run(cfg: PoolConfig, seed: u64, label: &str, cap_pages: Option<usize>) -> u64
     let mut kernels: Vec<(String, Receiver<bool>)> = Vec::new();
     let mut tag = 0u32;
     for phase in 0..5 {
-        let mut gates: Vec<Blocker> = Vec::new();
-        for &s in &streams {
-            if rng.range(0, 2) > 0 {
-                gates.push(Blocker::on(&*dev, s));
-            }
-        }
+        let gates = common::gate_some(&*dev, &streams, &mut rng);
         for step in 0..30 {
             let what = format!("{label} seed {seed} phase {phase} step {step}");
             let r = rng.range(0, 99);
@@ -163,12 +158,7 @@ fn run(cfg: PoolConfig, seed: u64, label: &str, cap_pages: Option<usize>) -> u64
         }
         drop(gates);
         pool.synchronize().unwrap();
-        for (what, k) in kernels.drain(..) {
-            assert!(
-                k.recv().unwrap(),
-                "{what}: the kernel found memory unmapped"
-            );
-        }
+        common::expect_kernels_mapped(&mut kernels);
         for l in &live {
             let got = dev.read_words(l.a.ptr(), l.a.size() / 4).unwrap();
             assert!(

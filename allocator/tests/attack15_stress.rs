@@ -38,7 +38,7 @@
 
 mod common;
 
-use common::{Blocker, Rng};
+use common::Rng;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use tidepool::{Allocation, MemPool, PoolConfig, ReusePolicy};
@@ -117,14 +117,11 @@ fn run(s: &Setup, seed: u64) -> (u64, u64) {
     let (mut tag, mut huge) = (0u32, 0u64);
     let pick = |rng: &mut Rng| streams[rng.range(0, 3) as usize];
     for phase in 0..5 {
-        let mut gates: Vec<Blocker> = Vec::new();
-        if s.gates {
-            for &st in &streams {
-                if rng.range(0, 2) > 0 {
-                    gates.push(Blocker::on(&*dev, st));
-                }
-            }
-        }
+        let gates = if s.gates {
+            common::gate_some(&*dev, &streams, &mut rng)
+        } else {
+            Vec::new()
+        };
         for step in 0..36 {
             let what = format!("{label} seed {seed} phase {phase} step {step}");
             let r = rng.range(0, 99);
@@ -204,12 +201,7 @@ fn run(s: &Setup, seed: u64) -> (u64, u64) {
         }
         drop(gates);
         pool.synchronize().unwrap();
-        for (what, k) in kernels.drain(..) {
-            assert!(
-                k.recv().unwrap(),
-                "{what}: the kernel found memory unmapped"
-            );
-        }
+        common::expect_kernels_mapped(&mut kernels);
         for l in &live {
             let bad = check_kernel(&dev, l.stream, l).recv().unwrap();
             assert!(

@@ -35,7 +35,7 @@
 
 mod common;
 
-use common::{Blocker, Rng};
+use common::Rng;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use tidepool::{Allocation, MemPool, PoolConfig, ReusePolicy};
@@ -133,12 +133,7 @@ fn run(s: &Setup, seed: u64) -> u64 {
     let n = s.streams as u64;
     for phase in 0..8 {
         let pick = |rng: &mut Rng| streams[rng.range(0, n - 1) as usize];
-        let mut gates: Vec<Blocker> = Vec::new();
-        for &st in &streams {
-            if rng.range(0, 2) > 0 {
-                gates.push(Blocker::on(&*dev, st));
-            }
-        }
+        let mut gates = common::gate_some(&*dev, &streams, &mut rng);
         for step in 0..120 {
             let what = format!("{label} seed {seed} phase {phase} step {step}");
             let r = rng.range(0, 99);
@@ -229,12 +224,7 @@ fn run(s: &Setup, seed: u64) -> u64 {
         }
         drop(gates);
         pool.synchronize().unwrap();
-        for (what, k) in kernels.drain(..) {
-            assert!(
-                k.recv().unwrap(),
-                "{what}: the kernel found memory unmapped"
-            );
-        }
+        common::expect_kernels_mapped(&mut kernels);
         for l in &live {
             let bad = check_kernel(&dev, l.stream, l).recv().unwrap();
             assert!(

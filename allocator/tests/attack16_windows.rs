@@ -201,9 +201,7 @@ impl World<'_> {
     fn verify(&mut self, what: &str) {
         self.pool.synchronize().unwrap();
         self.pending.clear();
-        for (w, k) in self.kernels.drain(..) {
-            assert!(k.recv().unwrap(), "{w}: the kernel found memory unmapped");
-        }
+        common::expect_kernels_mapped(&mut self.kernels);
         for l in &self.live {
             let bad = check_kernel(self.dev, l.stream, l).recv().unwrap();
             assert!(

@@ -319,6 +319,28 @@ pub fn check_words_at(
     rx
 }
 
+/// Hold about half of `streams` busy (each with one chance in three of
+/// staying free, drawn from `rng` in order), so that their frees stay
+/// pending until the blockers are dropped.
+pub fn gate_some<D: Device>(dev: &D, streams: &[Stream], rng: &mut Rng) -> Vec<Blocker> {
+    streams
+        .iter()
+        .filter(|_| rng.range(0, 2) > 0)
+        .map(|&s| Blocker::on(dev, s))
+        .collect()
+}
+
+/// Wait for every write kernel in `kernels` (what it wrote, its
+/// receiver), emptying it; each must have found its memory mapped.
+pub fn expect_kernels_mapped(kernels: &mut Vec<(String, Receiver<bool>)>) {
+    for (what, k) in kernels.drain(..) {
+        assert!(
+            k.recv().unwrap(),
+            "{what}: the kernel found memory unmapped"
+        );
+    }
+}
+
 /// Whether `[a, a + alen)` and `[b, b + blen)` share a byte.
 pub fn overlaps(a: DevicePtr, alen: usize, b: DevicePtr, blen: usize) -> bool {
     a < b + blen as u64 && b < a + alen as u64
