@@ -1710,6 +1710,11 @@ impl<D: Device> StreamOrder<D> {
         entry: &StreamEntry,
     ) {
         let mut st = lock(&entry.state);
+        // Most slow allocations find their stream's cache empty: nothing
+        // to hand over, and no batch to set up for it.
+        if st.cached_bytes == 0 {
+            return;
+        }
         let settled = |s| done.settled(s, opportunistic);
         arena.give_back_stream(me, settled, |blocks| {
             st.drain_cache_with(|len, b| blocks.push((b.offset, len, b.epoch)));
