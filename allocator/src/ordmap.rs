@@ -118,14 +118,24 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
         None
     }
 
-    /// Chunk `c`, past its size, splits in two.
+    /// Chunk `c`, past its size, splits in two. The test is inline: a
+    /// chunk splits once in `CHUNK / 2` inserts at most, and a call for
+    /// the test alone cost every insert a frame.
+    #[inline]
     fn split(&mut self, c: usize) {
         if self.chunks[c].len() > CHUNK {
-            let mut upper = Vec::with_capacity(CHUNK + 1);
-            upper.extend(self.chunks[c].drain(CHUNK / 2..));
-            self.firsts.insert(c + 1, upper[0].0);
-            self.chunks.insert(c + 1, upper);
+            self.split_chunk(c);
         }
+    }
+
+    /// [`split`](Self::split)'s rare part.
+    #[cold]
+    #[inline(never)]
+    fn split_chunk(&mut self, c: usize) {
+        let mut upper = Vec::with_capacity(CHUNK + 1);
+        upper.extend(self.chunks[c].drain(CHUNK / 2..));
+        self.firsts.insert(c + 1, upper[0].0);
+        self.chunks.insert(c + 1, upper);
     }
 
     /// Move the entry of `old` to key `new`, where no other key lies
@@ -173,6 +183,7 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
         true
     }
 
+    #[inline]
     fn rekey_entry(&mut self, c: usize, i: usize, new: K) -> Option<&mut V> {
         debug_assert!(self.keeps_place(c, i, &new), "a new key keeps its place");
         if i == 0 {
@@ -281,12 +292,14 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
     }
 
     /// [`rekey`](Self::rekey) of the entry at `pos`.
+    #[inline]
     pub fn rekey_at(&mut self, pos: Pos, new: K) -> Option<&mut V> {
         let (c, i) = self.entry_at(pos)?;
         self.rekey_entry(c, i, new)
     }
 
     /// [`rekey`](Self::rekey) of the entry before `pos`.
+    #[inline]
     pub fn rekey_before(&mut self, pos: Pos, new: K) -> Option<&mut V> {
         let (c, i) = self.entry_before(pos)?;
         self.rekey_entry(c, i, new)
