@@ -306,27 +306,39 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
     }
 
     /// Insert `k` at `pos`, between the entries before and at it (the
-    /// caller's promise, checked): no search.
+    /// caller's promise, checked in debug builds): no search. Inline, as
+    /// is [`remove_at`](Self::remove_at): the arena's updates are a few
+    /// moves each, which a call frame would double.
+    #[inline]
     pub fn insert_at(&mut self, pos: Pos, k: K, v: V) {
         debug_assert!(
             self.before(pos).is_none_or(|(b, _)| b < k) && self.at(pos).is_none_or(|(a, _)| k < a),
             "an entry inserted at its place"
         );
-        if self.chunks.is_empty() {
-            let mut chunk = Vec::with_capacity(CHUNK + 1);
-            chunk.push((k, v));
-            self.firsts.push(k);
-            self.chunks.push(chunk);
-            self.len = 1;
-            return;
-        }
         let Pos { c, i } = pos;
-        self.chunks[c].insert(i, (k, v));
-        if i == 0 {
-            self.firsts[c] = k;
+        match self.chunks.get_mut(c) {
+            Some(chunk) => {
+                chunk.insert(i, (k, v));
+                if i == 0 {
+                    self.firsts[c] = k;
+                }
+                self.len += 1;
+                self.split(c);
+            }
+            None => self.first_entry(k, v),
         }
-        self.len += 1;
-        self.split(c);
+    }
+
+    /// The entry of an empty map.
+    #[cold]
+    #[inline(never)]
+    fn first_entry(&mut self, k: K, v: V) {
+        assert!(self.chunks.is_empty(), "an entry inserted at its place");
+        let mut chunk = Vec::with_capacity(CHUNK + 1);
+        chunk.push((k, v));
+        self.firsts.push(k);
+        self.chunks.push(chunk);
+        self.len = 1;
     }
 
     /// Remove the entry of `k`; returns its value.
@@ -335,22 +347,31 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
         Some(self.remove_at(c, i).1)
     }
 
+    #[inline]
     fn remove_at(&mut self, c: usize, i: usize) -> (K, V) {
-        let e = self.chunks[c].remove(i);
+        let chunk = &mut self.chunks[c];
+        let e = chunk.remove(i);
         self.len -= 1;
-        let n = self.chunks[c].len();
-        if n == 0 {
+        let n = chunk.len();
+        if n > 0 && i == 0 {
+            self.firsts[c] = chunk[0].0;
+        }
+        if n < CHUNK_MIN {
+            self.shrunk(c);
+        }
+        e
+    }
+
+    /// Chunk `c`, short after a remove: it goes where empty, else it
+    /// joins a neighbour where both fit in one chunk.
+    #[inline(never)]
+    fn shrunk(&mut self, c: usize) {
+        if self.chunks[c].is_empty() {
             self.chunks.remove(c);
             self.firsts.remove(c);
         } else {
-            if i == 0 {
-                self.firsts[c] = self.chunks[c][0].0;
-            }
-            if n < CHUNK_MIN {
-                self.join(c);
-            }
+            self.join(c);
         }
-        e
     }
 
     /// Chunk `c`, short, joins a neighbour where both fit in one chunk.
