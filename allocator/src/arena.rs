@@ -717,16 +717,6 @@ impl PendingIndex {
         }
     }
 
-    /// The count of `epoch` of the stream `s`, if it has one.
-    #[inline]
-    fn epoch_at(s: &StreamPending, epoch: u64) -> Result<usize, usize> {
-        match (s.epochs.back(), s.epochs.front()) {
-            (Some(e), _) if e.epoch == epoch => Ok(s.epochs.len() - 1),
-            (_, Some(e)) if e.epoch == epoch => Ok(0),
-            _ => s.epochs.binary_search_by_key(&epoch, |e| e.epoch),
-        }
-    }
-
     /// A range took guard `After { stream, epoch }`.
     fn add(&mut self, stream: u64, epoch: u64) {
         let i = match self.stream_at(stream) {
@@ -750,25 +740,35 @@ impl PendingIndex {
         }
     }
 
-    /// A range lost guard `After { stream, epoch }`.
+    /// A range lost guard `After { stream, epoch }`. The stream's newest
+    /// epoch and its oldest are tried first (a free usually is one of
+    /// them), through the list's ends rather than by index.
     fn remove(&mut self, stream: u64, epoch: u64) {
         let i = self.stream_at(stream).expect("a pending stream is indexed");
-        let s = &mut self.streams[i];
-        let k = Self::epoch_at(s, epoch).expect("a pending epoch is indexed");
-        s.epochs[k].ranges -= 1;
-        if s.epochs[k].ranges == 0 {
-            if k + 1 == s.epochs.len() {
-                s.epochs.pop_back();
-            } else if k == 0 {
-                s.epochs.pop_front();
-            } else {
-                s.epochs.remove(k);
+        let epochs = &mut self.streams[i].epochs;
+        if let Some(e) = epochs.back_mut().filter(|e| e.epoch == epoch) {
+            e.ranges -= 1;
+            if e.ranges == 0 {
+                epochs.pop_back();
             }
-            if s.epochs.is_empty() {
-                let s = self.streams.swap_remove(i);
-                if self.spare.len() < SPARE_LISTS {
-                    self.spare.push(s.epochs);
-                }
+        } else if let Some(e) = epochs.front_mut().filter(|e| e.epoch == epoch) {
+            e.ranges -= 1;
+            if e.ranges == 0 {
+                epochs.pop_front();
+            }
+        } else {
+            let k = epochs
+                .binary_search_by_key(&epoch, |e| e.epoch)
+                .expect("a pending epoch is indexed");
+            epochs[k].ranges -= 1;
+            if epochs[k].ranges == 0 {
+                epochs.remove(k);
+            }
+        }
+        if epochs.is_empty() {
+            let s = self.streams.swap_remove(i);
+            if self.spare.len() < SPARE_LISTS {
+                self.spare.push(s.epochs);
             }
         }
     }
