@@ -277,6 +277,7 @@ impl Gaps {
     }
 
     /// `[off, off+len)` cut to the region, if anything is left.
+    #[inline(always)]
     fn clip(&self, off: usize, len: usize) -> Option<(usize, usize)> {
         let (lo, hi) = (off.max(self.region.start), (off + len).min(self.region.end));
         (lo < hi).then(|| (lo, hi - lo))
@@ -408,6 +409,7 @@ impl Gaps {
     }
 
     /// Bytes `[off, off+len)` stop being used: merge with the spans around.
+    #[inline(always)]
     fn release(&mut self, off: usize, len: usize) {
         if let Some((o, l)) = self.clip(off, len) {
             self.release_in(o, l);
@@ -418,6 +420,7 @@ impl Gaps {
     /// Bytes `[off, off+len)`, unused, become used: cut their span.
     /// `span`, where known, is the place just past that span (it is then
     /// not searched for).
+    #[inline(always)]
     fn occupy(&mut self, off: usize, len: usize, span: Option<Pos>) {
         if let Some((o, l)) = self.clip(off, len) {
             self.occupy_in(o, l, span.filter(|_| o == off));
@@ -425,6 +428,7 @@ impl Gaps {
         }
     }
 
+    #[inline(never)]
     fn release_in(&mut self, off: usize, len: usize) {
         let (pos, left, right) = self.spans.touching(off, len);
         match (left, right) {
@@ -455,6 +459,7 @@ impl Gaps {
         }
     }
 
+    #[inline(never)]
     fn occupy_in(&mut self, off: usize, len: usize, span: Option<Pos>) {
         // The span holding `off` is the one before the first key past it.
         let pos = span.unwrap_or_else(|| self.spans.lower_bound(&(off + 1)));
@@ -854,6 +859,12 @@ pub(crate) struct Arena {
     by_size: RunsBySize,
     /// Where best fit is used (see `set_best_fit_regions`).
     fit_regions: Vec<std::ops::Range<usize>>,
+    /// The widest stretch of the space that no best-fit region overlaps
+    /// (empty where none): a block inside it has no run to update, known
+    /// from two comparisons. First-fit blocks, half the takes and
+    /// give-backs on the GPT-2 traces, all lie in it, and clipping them
+    /// to every region cost each of them a call and a loop.
+    fit_gap: std::ops::Range<usize>,
     holes: OrdMap<usize, usize>,
     /// The spans no block uses, for first fit by address.
     gaps: Gaps,
@@ -912,6 +923,7 @@ impl Arena {
             free: OrdMap::new(),
             runs: OrdMap::new(),
             fit_regions: std::iter::once(0..va_size).collect(),
+            fit_gap: va_size..va_size,
             by_size: RunsBySize::default(),
             holes,
             gaps: Gaps::new(va_size, page, 0..va_size),
@@ -1176,6 +1188,18 @@ impl Arena {
         for w in regions.windows(2) {
             assert!(w[0].end < w[1].start, "regions are sorted and apart");
         }
+        // The stretches before, between and after the regions.
+        let va = self.va_size();
+        let bounds = std::iter::once(0)
+            .chain(regions.iter().flat_map(|r| [r.start, r.end]))
+            .chain(std::iter::once(va));
+        let ends: Vec<usize> = bounds.collect();
+        self.fit_gap = ends
+            .chunks(2)
+            .map(|w| w[0]..w[1].max(w[0]))
+            .max_by_key(|g| g.end - g.start)
+            .filter(|g| g.start < g.end)
+            .unwrap_or(va..va);
         self.fit_regions = regions;
     }
 
@@ -1200,10 +1224,23 @@ impl Arena {
         })
     }
 
+    /// Whether `[off, off+len)` lies where no best-fit region reaches.
+    #[inline(always)]
+    fn outside_fit_regions(&self, off: usize, len: usize) -> bool {
+        off >= self.fit_gap.start && off + len <= self.fit_gap.end
+    }
+
     /// Bytes `[off, off+len)` became free: extend the runs around them
     /// (inside the best-fit regions).
-    #[inline]
+    #[inline(always)]
     fn run_add(&mut self, off: usize, len: usize) {
+        if !self.outside_fit_regions(off, len) {
+            self.run_add_regions(off, len);
+        }
+    }
+
+    /// [`run_add`](Self::run_add) past its quick test.
+    fn run_add_regions(&mut self, off: usize, len: usize) {
         for i in 0..self.fit_regions.len() {
             let r = &self.fit_regions[i];
             let (lo, hi) = (off.max(r.start), (off + len).min(r.end));
@@ -1215,8 +1252,15 @@ impl Arena {
 
     /// Bytes `[off, off+len)`, free, stop being free: split their run
     /// (inside the best-fit regions).
-    #[inline]
+    #[inline(always)]
     fn run_remove(&mut self, off: usize, len: usize) {
+        if !self.outside_fit_regions(off, len) {
+            self.run_remove_regions(off, len);
+        }
+    }
+
+    /// [`run_remove`](Self::run_remove) past its quick test.
+    fn run_remove_regions(&mut self, off: usize, len: usize) {
         for i in 0..self.fit_regions.len() {
             let r = &self.fit_regions[i];
             let (lo, hi) = (off.max(r.start), (off + len).min(r.end));
