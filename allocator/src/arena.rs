@@ -1875,13 +1875,13 @@ impl Arena {
         // better, and none beats a run of exactly `len` bytes: the walk
         // stops there (a block freed and asked for again often is one).
         use std::ops::ControlFlow::{Break, Continue};
-        let from = self
-            .runs
-            .last_le(&zone.start)
-            .map_or(zone.start, |(o, _)| o);
+        // From the run holding the zone's start (the last one starting at
+        // or below it), found with the same search as those after it.
+        let past = self.runs.lower_bound(&(zone.start + 1));
+        let from = self.runs.pos_before(past).unwrap_or(past);
         let mut best: Option<(usize, usize)> = None;
         self.runs
-            .scan_at(self.runs.lower_bound(&from), |roff, &rlen| {
+            .scan_at(from, |roff, &rlen| {
                 if roff >= zone.end {
                     return Break(());
                 }
