@@ -1880,21 +1880,20 @@ impl Arena {
         let past = self.runs.lower_bound(&(zone.start + 1));
         let from = self.runs.pos_before(past).unwrap_or(past);
         let mut best: Option<(usize, usize)> = None;
-        self.runs
-            .scan_at(from, |roff, &rlen| {
-                if roff >= zone.end {
-                    return Break(());
-                }
-                if rlen >= len && best.is_none_or(|(bl, _)| rlen < bl) {
-                    if let Some(off) = fits(rlen, roff) {
-                        best = Some((rlen, off));
-                        if rlen == len {
-                            return Break(());
-                        }
+        self.runs.scan_at(from, |roff, &rlen| {
+            if roff >= zone.end {
+                return Break(());
+            }
+            if rlen >= len && best.is_none_or(|(bl, _)| rlen < bl) {
+                if let Some(off) = fits(rlen, roff) {
+                    best = Some((rlen, off));
+                    if rlen == len {
+                        return Break(());
                     }
                 }
-                Continue(())
-            });
+            }
+            Continue(())
+        });
         best.map(|(_, off)| off)
     }
 
@@ -3998,6 +3997,45 @@ mod tests {
         one.check();
         batch.check();
         assert_eq!(books(&one), books(&batch), "back to the ghosts");
+    }
+
+    /// A block in the stretch between two best-fit regions leaves the
+    /// runs alone (no run lies there); one reaching a byte into either
+    /// region cuts and restores the run there.
+    #[test]
+    fn runs_follow_blocks_at_the_edges_of_the_best_fit_regions() {
+        let mut a = Arena::new(64 * PAGE, PAGE);
+        a.set_best_fit_regions(vec![0..2 * PAGE, 3 * PAGE..64 * PAGE]);
+        assert_eq!(a.fit_gap, 2 * PAGE..3 * PAGE);
+        for p in 0..6 {
+            let idx = a.phys.insert(PhysPage {
+                handle: Physical(p as u64),
+                pages: 1,
+                owner: None,
+                mappings: Vec::new(),
+            });
+            a.record_mapping(p, idx);
+            a.activate(p, idx);
+        }
+        // The widest stretch with no region, wherever it lies.
+        let mut b = Arena::new(64 * PAGE, PAGE);
+        b.set_best_fit_regions(vec![0..2 * PAGE, 3 * PAGE..4 * PAGE]);
+        assert_eq!(b.fit_gap, 4 * PAGE..64 * PAGE);
+        let mut c = Arena::new(64 * PAGE, PAGE);
+        c.set_best_fit_regions(vec![PAGE..2 * PAGE, 60 * PAGE..64 * PAGE]);
+        assert_eq!(c.fit_gap, 2 * PAGE..60 * PAGE);
+        for (off, len) in [
+            (2 * PAGE, PAGE),
+            (2 * PAGE, PAGE + 1),
+            (2 * PAGE - 1, PAGE),
+            (2 * PAGE - 1, 1),
+            (3 * PAGE, 1),
+        ] {
+            a.take(off, len);
+            a.check();
+            a.give_back(off, len, Guard::Complete);
+            a.check();
+        }
     }
 
     #[test]
