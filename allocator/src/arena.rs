@@ -473,7 +473,10 @@ impl Gaps {
             (true, true) => {
                 *self.spans.before_mut(pos).expect("span") = off - so;
                 self.reshaped(so, so, off - so, sl);
-                self.insert(end, so + sl - end);
+                // The rest goes between the span and the next one: at
+                // `pos`, with no search.
+                self.spans.insert_at(pos, end, so + sl - end);
+                self.started(end, so + sl - end);
             }
             (true, false) => {
                 *self.spans.before_mut(pos).expect("span") = off - so;
