@@ -277,6 +277,7 @@ impl Gaps {
     }
 
     /// `[off, off+len)` cut to the region, if anything is left.
+    #[inline(always)]
     fn clip(&self, off: usize, len: usize) -> Option<(usize, usize)> {
         let (lo, hi) = (off.max(self.region.start), (off + len).min(self.region.end));
         (lo < hi).then(|| (lo, hi - lo))
@@ -408,6 +409,7 @@ impl Gaps {
     }
 
     /// Bytes `[off, off+len)` stop being used: merge with the spans around.
+    #[inline(always)]
     fn release(&mut self, off: usize, len: usize) {
         if let Some((o, l)) = self.clip(off, len) {
             self.release_in(o, l);
@@ -418,6 +420,7 @@ impl Gaps {
     /// Bytes `[off, off+len)`, unused, become used: cut their span.
     /// `span`, where known, is the place just past that span (it is then
     /// not searched for).
+    #[inline(always)]
     fn occupy(&mut self, off: usize, len: usize, span: Option<Pos>) {
         if let Some((o, l)) = self.clip(off, len) {
             self.occupy_in(o, l, span.filter(|_| o == off));
@@ -425,6 +428,7 @@ impl Gaps {
         }
     }
 
+    #[inline(never)]
     fn release_in(&mut self, off: usize, len: usize) {
         let (pos, left, right) = self.spans.touching(off, len);
         match (left, right) {
@@ -455,6 +459,7 @@ impl Gaps {
         }
     }
 
+    #[inline(never)]
     fn occupy_in(&mut self, off: usize, len: usize, span: Option<Pos>) {
         // The span holding `off` is the one before the first key past it.
         let pos = span.unwrap_or_else(|| self.spans.lower_bound(&(off + 1)));
@@ -468,7 +473,10 @@ impl Gaps {
             (true, true) => {
                 *self.spans.before_mut(pos).expect("span") = off - so;
                 self.reshaped(so, so, off - so, sl);
-                self.insert(end, so + sl - end);
+                // The rest goes between the span and the next one: at
+                // `pos`, with no search.
+                self.spans.insert_at(pos, end, so + sl - end);
+                self.started(end, so + sl - end);
             }
             (true, false) => {
                 *self.spans.before_mut(pos).expect("span") = off - so;
@@ -854,6 +862,12 @@ pub(crate) struct Arena {
     by_size: RunsBySize,
     /// Where best fit is used (see `set_best_fit_regions`).
     fit_regions: Vec<std::ops::Range<usize>>,
+    /// The widest stretch of the space that no best-fit region overlaps
+    /// (empty where none): a block inside it has no run to update, known
+    /// from two comparisons. First-fit blocks, half the takes and
+    /// give-backs on the GPT-2 traces, all lie in it, and clipping them
+    /// to every region cost each of them a call and a loop.
+    fit_gap: std::ops::Range<usize>,
     holes: OrdMap<usize, usize>,
     /// The spans no block uses, for first fit by address.
     gaps: Gaps,
@@ -912,6 +926,7 @@ impl Arena {
             free: OrdMap::new(),
             runs: OrdMap::new(),
             fit_regions: std::iter::once(0..va_size).collect(),
+            fit_gap: va_size..va_size,
             by_size: RunsBySize::default(),
             holes,
             gaps: Gaps::new(va_size, page, 0..va_size),
@@ -1176,6 +1191,18 @@ impl Arena {
         for w in regions.windows(2) {
             assert!(w[0].end < w[1].start, "regions are sorted and apart");
         }
+        // The stretches before, between and after the regions.
+        let va = self.va_size();
+        let bounds = std::iter::once(0)
+            .chain(regions.iter().flat_map(|r| [r.start, r.end]))
+            .chain(std::iter::once(va));
+        let ends: Vec<usize> = bounds.collect();
+        self.fit_gap = ends
+            .chunks(2)
+            .map(|w| w[0]..w[1].max(w[0]))
+            .max_by_key(|g| g.end - g.start)
+            .filter(|g| g.start < g.end)
+            .unwrap_or(va..va);
         self.fit_regions = regions;
     }
 
@@ -1200,10 +1227,23 @@ impl Arena {
         })
     }
 
+    /// Whether `[off, off+len)` lies where no best-fit region reaches.
+    #[inline(always)]
+    fn outside_fit_regions(&self, off: usize, len: usize) -> bool {
+        off >= self.fit_gap.start && off + len <= self.fit_gap.end
+    }
+
     /// Bytes `[off, off+len)` became free: extend the runs around them
     /// (inside the best-fit regions).
-    #[inline]
+    #[inline(always)]
     fn run_add(&mut self, off: usize, len: usize) {
+        if !self.outside_fit_regions(off, len) {
+            self.run_add_regions(off, len);
+        }
+    }
+
+    /// [`run_add`](Self::run_add) past its quick test.
+    fn run_add_regions(&mut self, off: usize, len: usize) {
         for i in 0..self.fit_regions.len() {
             let r = &self.fit_regions[i];
             let (lo, hi) = (off.max(r.start), (off + len).min(r.end));
@@ -1215,8 +1255,15 @@ impl Arena {
 
     /// Bytes `[off, off+len)`, free, stop being free: split their run
     /// (inside the best-fit regions).
-    #[inline]
+    #[inline(always)]
     fn run_remove(&mut self, off: usize, len: usize) {
+        if !self.outside_fit_regions(off, len) {
+            self.run_remove_regions(off, len);
+        }
+    }
+
+    /// [`run_remove`](Self::run_remove) past its quick test.
+    fn run_remove_regions(&mut self, off: usize, len: usize) {
         for i in 0..self.fit_regions.len() {
             let r = &self.fit_regions[i];
             let (lo, hi) = (off.max(r.start), (off + len).min(r.end));
@@ -1831,26 +1878,25 @@ impl Arena {
         // better, and none beats a run of exactly `len` bytes: the walk
         // stops there (a block freed and asked for again often is one).
         use std::ops::ControlFlow::{Break, Continue};
-        let from = self
-            .runs
-            .last_le(&zone.start)
-            .map_or(zone.start, |(o, _)| o);
+        // From the run holding the zone's start (the last one starting at
+        // or below it), found with the same search as those after it.
+        let past = self.runs.lower_bound(&(zone.start + 1));
+        let from = self.runs.pos_before(past).unwrap_or(past);
         let mut best: Option<(usize, usize)> = None;
-        self.runs
-            .scan_at(self.runs.lower_bound(&from), |roff, &rlen| {
-                if roff >= zone.end {
-                    return Break(());
-                }
-                if rlen >= len && best.is_none_or(|(bl, _)| rlen < bl) {
-                    if let Some(off) = fits(rlen, roff) {
-                        best = Some((rlen, off));
-                        if rlen == len {
-                            return Break(());
-                        }
+        self.runs.scan_at(from, |roff, &rlen| {
+            if roff >= zone.end {
+                return Break(());
+            }
+            if rlen >= len && best.is_none_or(|(bl, _)| rlen < bl) {
+                if let Some(off) = fits(rlen, roff) {
+                    best = Some((rlen, off));
+                    if rlen == len {
+                        return Break(());
                     }
                 }
-                Continue(())
-            });
+            }
+            Continue(())
+        });
         best.map(|(_, off)| off)
     }
 
@@ -3954,6 +4000,45 @@ mod tests {
         one.check();
         batch.check();
         assert_eq!(books(&one), books(&batch), "back to the ghosts");
+    }
+
+    /// A block in the stretch between two best-fit regions leaves the
+    /// runs alone (no run lies there); one reaching a byte into either
+    /// region cuts and restores the run there.
+    #[test]
+    fn runs_follow_blocks_at_the_edges_of_the_best_fit_regions() {
+        let mut a = Arena::new(64 * PAGE, PAGE);
+        a.set_best_fit_regions(vec![0..2 * PAGE, 3 * PAGE..64 * PAGE]);
+        assert_eq!(a.fit_gap, 2 * PAGE..3 * PAGE);
+        for p in 0..6 {
+            let idx = a.phys.insert(PhysPage {
+                handle: Physical(p as u64),
+                pages: 1,
+                owner: None,
+                mappings: Vec::new(),
+            });
+            a.record_mapping(p, idx);
+            a.activate(p, idx);
+        }
+        // The widest stretch with no region, wherever it lies.
+        let mut b = Arena::new(64 * PAGE, PAGE);
+        b.set_best_fit_regions(vec![0..2 * PAGE, 3 * PAGE..4 * PAGE]);
+        assert_eq!(b.fit_gap, 4 * PAGE..64 * PAGE);
+        let mut c = Arena::new(64 * PAGE, PAGE);
+        c.set_best_fit_regions(vec![PAGE..2 * PAGE, 60 * PAGE..64 * PAGE]);
+        assert_eq!(c.fit_gap, 2 * PAGE..60 * PAGE);
+        for (off, len) in [
+            (2 * PAGE, PAGE),
+            (2 * PAGE, PAGE + 1),
+            (2 * PAGE - 1, PAGE),
+            (2 * PAGE - 1, 1),
+            (3 * PAGE, 1),
+        ] {
+            a.take(off, len);
+            a.check();
+            a.give_back(off, len, Guard::Complete);
+            a.check();
+        }
     }
 
     #[test]
