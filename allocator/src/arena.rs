@@ -164,7 +164,25 @@ impl PageSet {
             + (self.words[wh] & Self::mask_in(wh, lo, hi)).count_ones()) as usize
     }
 
+    /// Push the pages of `lo..hi` that are not in the set onto `out`, in
+    /// order, a word at a time: a block's hole pages are a few of its
+    /// pages, and the clear bits of a word are found without a test per
+    /// page.
+    fn absent_into(&self, lo: usize, hi: usize, out: &mut Vec<usize>) {
+        if lo >= hi {
+            return;
+        }
+        for w in lo / 64..=(hi - 1) / 64 {
+            let mut bits = !self.words[w] & Self::mask_in(w, lo, hi);
+            while bits != 0 {
+                out.push(w * 64 + bits.trailing_zeros() as usize);
+                bits &= bits - 1;
+            }
+        }
+    }
+
     /// Remove pages `lo..hi` (none when `lo >= hi`), a word at a time.
+    #[inline]
     fn remove_range(&mut self, lo: usize, hi: usize) {
         if lo < hi {
             for w in lo / 64..=(hi - 1) / 64 {
@@ -2160,8 +2178,10 @@ impl Arena {
                     len: l.len + r.len + rr.len,
                     guard: m,
                 };
+                // The range itself at its place (no search), then the
+                // right one by its key.
+                self.free.remove_at_pos(pos);
                 self.free.remove(&ro);
-                self.free.remove(&o);
                 self.unindex_pending(l.guard);
                 self.reindex_pending(rr.guard, m);
             }
@@ -2653,18 +2673,24 @@ impl Arena {
     /// one free range under `guard` (merged with its neighbours).
     fn activate_pages(&mut self, p: usize, n: usize, guard: Guard) {
         let (ps, pe) = (p * self.page, (p + n) * self.page);
-        let (ho, &hl) = self.holes.last_le(&ps).expect("mapped page lies in a hole");
+        // The hole holding the pages is the last one starting at or below
+        // `ps`: the one before this place, which every change below uses
+        // with no further search.
+        let pos = self.holes.lower_bound(&(ps + 1));
+        let (ho, &hl) = self.holes.before(pos).expect("mapped page lies in a hole");
         assert!(ho + hl >= pe, "mapped page lies in a hole");
         // The hole is cut in place where the page is at one end of it.
         match (ps > ho, ho + hl > pe) {
             (true, true) => {
-                *self.holes.get_mut(&ho).expect("hole") = ps - ho;
-                self.holes.insert(pe, ho + hl - pe);
+                *self.holes.before_mut(pos).expect("hole") = ps - ho;
+                // Between the hole and the next one (which starts past
+                // the hole's end, so past `pe`).
+                self.holes.insert_at(pos, pe, ho + hl - pe);
             }
-            (true, false) => *self.holes.get_mut(&ho).expect("hole") = ps - ho,
-            (false, true) => *self.holes.rekey(&ho, pe).expect("hole") = ho + hl - pe,
+            (true, false) => *self.holes.before_mut(pos).expect("hole") = ps - ho,
+            (false, true) => *self.holes.rekey_before(pos, pe).expect("hole") = ho + hl - pe,
             (false, false) => {
-                self.holes.remove(&ho);
+                self.holes.remove_before(pos);
             }
         }
         for q in p..p + n {
@@ -2726,56 +2752,71 @@ impl Arena {
     fn deactivate_pages(&mut self, p: usize, n: usize) {
         let (ps, pe) = (p * self.page, (p + n) * self.page);
         self.run_remove(ps, pe - ps);
-        // The free ranges overlapping the page, from the highest down: the
-        // parts outside the page stay free.
-        while let Some((o, r)) = self.free.last_lt_mut(&pe) {
-            if o + r.len <= ps {
+        // The free ranges overlapping the pages, from the highest down: the
+        // parts outside the pages stay free. Each is found by one search
+        // and cut at its place: a part past `pe` keeps its guard (the
+        // range is rekeyed, or the part goes in right after it), so the
+        // pending index changes only for a range wholly removed.
+        loop {
+            let pos = self.free.lower_bound(&pe);
+            let Some((o, &old)) = self.free.before(pos) else {
+                break;
+            };
+            let end = o + old.len;
+            if end <= ps {
                 break;
             }
-            let old = *r;
             if o < ps {
-                r.len = ps - o;
-            } else {
-                self.remove_raw(o);
-            }
-            if o + old.len > pe {
-                self.insert_raw(
-                    pe,
-                    FreeRange {
-                        len: o + old.len - pe,
+                self.free.before_mut(pos).expect("free range").len = ps - o;
+                if end > pe {
+                    let tail = FreeRange {
+                        len: end - pe,
                         guard: old.guard,
-                    },
-                );
-            }
-            if o < ps {
+                    };
+                    // The next range starts at `end` or later.
+                    self.free.insert_at(pos, pe, tail);
+                    self.index_pending(old.guard);
+                }
                 break;
+            }
+            if end > pe {
+                self.free.rekey_before(pos, pe).expect("free range").len = end - pe;
+            } else {
+                self.free.remove_before(pos);
+                self.unindex_pending(old.guard);
             }
         }
-        // Add the hole, merging with neighbouring holes.
+        // Add the hole, merging with neighbouring holes. The pages are no
+        // hole, so the first hole at or past `ps` starts at `pe` or later:
+        // one search finds both neighbours, and every change below is made
+        // at that place.
+        let pos = self.holes.lower_bound(&ps);
         let left = self
             .holes
-            .last_lt(&ps)
-            .filter(|&(lo, &ll)| lo + ll == ps)
-            .map(|(lo, _)| lo);
-        let right = self.holes.get(&pe).copied();
+            .before(pos)
+            .is_some_and(|(lo, &ll)| lo + ll == ps);
+        let right = self
+            .holes
+            .at(pos)
+            .filter(|&(ro, _)| ro == pe)
+            .map(|(_, &rl)| rl);
         match (left, right) {
-            (Some(lo), Some(rl)) => {
-                self.holes.remove(&pe);
-                *self.holes.get_mut(&lo).expect("hole") += pe - ps + rl;
+            (true, Some(rl)) => {
+                *self.holes.before_mut(pos).expect("hole") += pe - ps + rl;
+                self.holes.remove_at_pos(pos);
             }
-            (Some(lo), None) => *self.holes.get_mut(&lo).expect("hole") += pe - ps,
-            (None, Some(rl)) => *self.holes.rekey(&pe, ps).expect("hole") = pe - ps + rl,
-            (None, None) => {
-                self.holes.insert(ps, pe - ps);
-            }
+            (true, None) => *self.holes.before_mut(pos).expect("hole") += pe - ps,
+            (false, Some(rl)) => *self.holes.rekey_at(pos, ps).expect("hole") = pe - ps + rl,
+            (false, None) => self.holes.insert_at(pos, ps, pe - ps),
         }
         for q in p..p + n {
-            self.idle.remove(q);
             assert!(self.pages[q].active, "deactivating an inactive page");
             self.pages[q].active = false;
             self.kinds[q] = KIND_HOLE | KIND_GHOST;
-            self.active.remove(q);
         }
+        // The page sets a word at a time.
+        self.idle.remove_range(p, p + n);
+        self.active.remove_range(p, p + n);
     }
 
     /// Check every invariant (tests only; linear time).
@@ -2964,6 +3005,12 @@ impl Arena {
         &self.kinds[pages]
     }
 
+    /// Push the holes (pages not active) of `pages` onto `out`, in
+    /// address order.
+    pub fn holes_into(&self, pages: std::ops::Range<usize>, out: &mut Vec<usize>) {
+        self.active.absent_into(pages.start, pages.end, out);
+    }
+
     /// How many pages of `pages` are holes (not active), and how many of
     /// those have no mapping at all: a word of the page sets at a time.
     pub fn holes_and_unmapped(&self, pages: std::ops::Range<usize>) -> (usize, usize) {
@@ -3114,6 +3161,10 @@ mod tests {
                 model.range(lo..hi.max(lo)).count(),
                 "count of pages {lo}..{hi}"
             );
+            let mut absent = Vec::new();
+            set.absent_into(lo, hi, &mut absent);
+            let want: Vec<usize> = (lo..hi).filter(|p| !model.contains(p)).collect();
+            assert_eq!(absent, want, "pages of {lo}..{hi} not in the set");
             if lo < hi {
                 if all {
                     full += 1;

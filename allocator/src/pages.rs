@@ -180,9 +180,10 @@ impl<D: Device> Pages<'_, D> {
                     )
                 }
                 found => found.map(|start| {
-                    let need = (start / page..=(start + len - 1) / page)
-                        .filter(|&p| !s.arena.is_active(p))
-                        .count();
+                    let need = s
+                        .arena
+                        .holes_and_unmapped(start / page..(start + len - 1) / page + 1)
+                        .0;
                     (0, need, start)
                 }),
             }
@@ -259,7 +260,8 @@ impl<D: Device> Pages<'_, D> {
         let block_pages = start / page..=(end - 1) / page;
         let targets = &mut sc.targets;
         targets.clear();
-        targets.extend(block_pages.clone().filter(|&p| !st.arena.is_active(p)));
+        st.arena
+            .holes_into(*block_pages.start()..*block_pages.end() + 1, targets);
         debug_assert!(need.is_none_or(|n| n == targets.len()));
 
         // First, targets whose ghost mapping's physical memory is free to
@@ -267,11 +269,13 @@ impl<D: Device> Pages<'_, D> {
         // every page of its ghost mapping.
         let rest = &mut sc.rest;
         rest.clear();
-        let singles = targets.iter().all(|&p| {
-            st.arena
-                .mapping_at(p)
-                .is_none_or(|i| st.arena.unit_pages(i) == 1)
-        });
+        // With no unit of several pages in the pool, every ghost is one.
+        let singles = st.arena.units_of_pages() == 0
+            || targets.iter().all(|&p| {
+                st.arena
+                    .mapping_at(p)
+                    .is_none_or(|i| st.arena.unit_pages(i) == 1)
+            });
         if singles {
             rebind_singles(st, targets, &block_pages, rest, mover, &mut sc.rebind);
         }
