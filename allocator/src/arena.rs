@@ -3036,8 +3036,9 @@ mod tests {
 
     const PAGE: usize = 1 << 21;
 
-    fn arena_with_pages(n: usize) -> Arena {
-        let mut a = Arena::new(64 * PAGE, PAGE);
+    /// Pages `0..n` of `a`, each mapped and active on a physical page of
+    /// its own.
+    fn map_single_pages(a: &mut Arena, n: usize) {
         for p in 0..n {
             let idx = a.phys.insert(PhysPage {
                 handle: Physical(p as u64),
@@ -3048,6 +3049,11 @@ mod tests {
             a.record_mapping(p, idx);
             a.activate(p, idx);
         }
+    }
+
+    fn arena_with_pages(n: usize) -> Arena {
+        let mut a = Arena::new(64 * PAGE, PAGE);
+        map_single_pages(&mut a, n);
         a.check();
         a
     }
@@ -3491,16 +3497,7 @@ mod tests {
         a.gaps.tree_above = 4;
         a.gaps.tree_below = 2;
         tune(&mut a);
-        for p in 0..16 {
-            let idx = a.phys.insert(PhysPage {
-                handle: Physical(p as u64),
-                pages: 1,
-                owner: None,
-                mappings: Vec::new(),
-            });
-            a.record_mapping(p, idx);
-            a.activate(p, idx);
-        }
+        map_single_pages(&mut a, 16);
         let mut live: Vec<(usize, usize)> = Vec::new();
         for (step, &(kind, x, y)) in ops.iter().enumerate() {
             let (x, y) = (x as usize, y as usize);
@@ -4061,16 +4058,7 @@ mod tests {
         let mut a = Arena::new(64 * PAGE, PAGE);
         a.set_best_fit_regions(vec![0..2 * PAGE, 3 * PAGE..64 * PAGE]);
         assert_eq!(a.fit_gap, 2 * PAGE..3 * PAGE);
-        for p in 0..6 {
-            let idx = a.phys.insert(PhysPage {
-                handle: Physical(p as u64),
-                pages: 1,
-                owner: None,
-                mappings: Vec::new(),
-            });
-            a.record_mapping(p, idx);
-            a.activate(p, idx);
-        }
+        map_single_pages(&mut a, 6);
         // The widest stretch with no region, wherever it lies.
         let mut b = Arena::new(64 * PAGE, PAGE);
         b.set_best_fit_regions(vec![0..2 * PAGE, 3 * PAGE..4 * PAGE]);
@@ -4096,16 +4084,7 @@ mod tests {
     fn best_fit_finds_a_run_cut_at_a_region_start_inside_a_free_range() {
         let mut a = Arena::new(64 * PAGE, PAGE);
         a.set_best_fit_regions(vec![0..2 * PAGE, 3 * PAGE..64 * PAGE]);
-        for p in 0..6 {
-            let idx = a.phys.insert(PhysPage {
-                handle: Physical(p as u64),
-                pages: 1,
-                owner: None,
-                mappings: Vec::new(),
-            });
-            a.record_mapping(p, idx);
-            a.activate(p, idx);
-        }
+        map_single_pages(&mut a, 6);
         a.check();
         // One free range [0, 6 pages) holds the run [3 pages, 6 pages).
         assert_eq!(a.free_at(0).map(|r| r.len), Some(6 * PAGE));
