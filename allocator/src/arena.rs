@@ -121,31 +121,53 @@ impl PageSet {
         }
     }
 
-    /// The pages `lo..hi` of word `w`'s stretch, as a mask of that word.
-    #[inline]
-    fn mask_in(w: usize, lo: usize, hi: usize) -> u64 {
-        let (a, b) = (lo.max(w * 64) - w * 64, hi.min(w * 64 + 64) - w * 64);
-        // Bits a..b (b - a >= 1).
-        (u64::MAX >> (64 - (b - a))) << a
+    /// The words of pages `lo..hi` (`lo < hi`), first and last, and the
+    /// masks of the pages of the range in those two words: the words
+    /// between are wholly in the range. Most ranges (a block's pages, a
+    /// run of moved pages) lie in one word, where the two masks together
+    /// are the range's.
+    #[inline(always)]
+    fn edges(lo: usize, hi: usize) -> (usize, usize, u64, u64) {
+        let last = hi - 1;
+        (
+            lo / 64,
+            last / 64,
+            u64::MAX << (lo % 64),
+            u64::MAX >> (63 - last % 64),
+        )
     }
 
     /// Add pages `lo..hi` (none when `lo >= hi`), a word at a time.
     fn insert_range(&mut self, lo: usize, hi: usize) {
         if lo < hi {
-            for w in lo / 64..=(hi - 1) / 64 {
-                self.insert_word(w, Self::mask_in(w, lo, hi));
+            let (wl, wh, ml, mh) = Self::edges(lo, hi);
+            if wl == wh {
+                self.insert_word(wl, ml & mh);
+                return;
             }
+            self.insert_word(wl, ml);
+            for w in wl + 1..wh {
+                self.insert_word(w, u64::MAX);
+            }
+            self.insert_word(wh, mh);
         }
     }
 
     /// Whether every page of `lo..hi` is in the set (yes when `lo >= hi`),
     /// a word at a time.
+    #[inline]
     fn contains_range(&self, lo: usize, hi: usize) -> bool {
-        lo >= hi
-            || (lo / 64..=(hi - 1) / 64).all(|w| {
-                let m = Self::mask_in(w, lo, hi);
-                self.words[w] & m == m
-            })
+        if lo >= hi {
+            return true;
+        }
+        let (wl, wh, ml, mh) = Self::edges(lo, hi);
+        if wl == wh {
+            let m = ml & mh;
+            return self.words[wl] & m == m;
+        }
+        self.words[wl] & ml == ml
+            && self.words[wl + 1..wh].iter().all(|&w| w == u64::MAX)
+            && self.words[wh] & mh == mh
     }
 
     /// How many pages of `lo..hi` are in the set, a word at a time (only
@@ -154,14 +176,12 @@ impl PageSet {
         if lo >= hi {
             return 0;
         }
-        let (wl, wh) = (lo / 64, (hi - 1) / 64);
+        let (wl, wh, ml, mh) = Self::edges(lo, hi);
         if wl == wh {
-            return (self.words[wl] & Self::mask_in(wl, lo, hi)).count_ones() as usize;
+            return (self.words[wl] & ml & mh).count_ones() as usize;
         }
         let inner: u32 = self.words[wl + 1..wh].iter().map(|w| w.count_ones()).sum();
-        ((self.words[wl] & Self::mask_in(wl, lo, hi)).count_ones()
-            + inner
-            + (self.words[wh] & Self::mask_in(wh, lo, hi)).count_ones()) as usize
+        ((self.words[wl] & ml).count_ones() + inner + (self.words[wh] & mh).count_ones()) as usize
     }
 
     /// Push the pages of `lo..hi` that are not in the set onto `out`, in
@@ -172,8 +192,16 @@ impl PageSet {
         if lo >= hi {
             return;
         }
-        for w in lo / 64..=(hi - 1) / 64 {
-            let mut bits = !self.words[w] & Self::mask_in(w, lo, hi);
+        let (wl, wh, ml, mh) = Self::edges(lo, hi);
+        for w in wl..=wh {
+            let mut mask = u64::MAX;
+            if w == wl {
+                mask &= ml;
+            }
+            if w == wh {
+                mask &= mh;
+            }
+            let mut bits = !self.words[w] & mask;
             while bits != 0 {
                 out.push(w * 64 + bits.trailing_zeros() as usize);
                 bits &= bits - 1;
@@ -185,9 +213,16 @@ impl PageSet {
     #[inline]
     fn remove_range(&mut self, lo: usize, hi: usize) {
         if lo < hi {
-            for w in lo / 64..=(hi - 1) / 64 {
-                self.remove_word(w, Self::mask_in(w, lo, hi));
+            let (wl, wh, ml, mh) = Self::edges(lo, hi);
+            if wl == wh {
+                self.remove_word(wl, ml & mh);
+                return;
             }
+            self.remove_word(wl, ml);
+            for w in wl + 1..wh {
+                self.remove_word(w, u64::MAX);
+            }
+            self.remove_word(wh, mh);
         }
     }
 
@@ -2653,15 +2688,16 @@ impl Arena {
     /// [`activate`](Self::activate) in page order would make them, with
     /// the books of the whole run updated once.
     pub fn activate_singles(&mut self, p: usize, phys: &[usize]) {
+        // Each page's books read once: checked, then its owner set (the
+        // run's pages below do not read the owners).
         for (q, &i) in (p..).zip(phys) {
-            assert_eq!(self.phys[i].pages, 1, "a unit is activated whole");
-            assert!(self.phys[i].owner.is_none(), "physical page active twice");
             assert_eq!(self.pages[q].mapped, Some(i), "activating an unmapped page");
+            let ph = &mut self.phys[i];
+            assert_eq!(ph.pages, 1, "a unit is activated whole");
+            assert!(ph.owner.is_none(), "physical page active twice");
+            ph.owner = Some(q);
         }
         self.activate_pages(p, phys.len(), Guard::Complete);
-        for (q, &i) in (p..).zip(phys) {
-            self.phys[i].owner = Some(q);
-        }
         if !self.holds.is_empty() {
             for q in p..p + phys.len() {
                 self.holds.remove(&q);
@@ -2730,21 +2766,17 @@ impl Arena {
     /// being active, as many calls of [`deactivate`](Self::deactivate)
     /// would make them, with the books of the whole run updated once.
     pub fn deactivate_singles(&mut self, p: usize, n: usize) {
+        // Each page's books read once: checked, then its owner cleared
+        // (the run's pages below do not read the owners).
         for q in p..p + n {
-            let phys = self.pages[q].mapped.expect("active page is mapped");
-            assert_eq!(self.phys[phys].pages, 1, "a unit is deactivated whole");
-            assert_eq!(
-                self.phys[phys].owner,
-                Some(q),
-                "deactivating a page not active"
-            );
             assert_eq!(self.users[q], 0, "unmapping a page in use");
+            let phys = self.pages[q].mapped.expect("active page is mapped");
+            let ph = &mut self.phys[phys];
+            assert_eq!(ph.pages, 1, "a unit is deactivated whole");
+            assert_eq!(ph.owner, Some(q), "deactivating a page not active");
+            ph.owner = None;
         }
         self.deactivate_pages(p, n);
-        for q in p..p + n {
-            let phys = self.pages[q].mapped.expect("active page is mapped");
-            self.phys[phys].owner = None;
-        }
     }
 
     /// Pages `p..p + n`, active and idle, become holes (their mappings
