@@ -2254,6 +2254,7 @@ impl Arena {
 
     /// Whether every page that `[off, off+len)` touches is active
     /// (`len > 0`).
+    #[inline]
     pub fn span_active(&self, off: usize, len: usize) -> bool {
         let span = self.page_span(off, len);
         self.active.contains_range(*span.start(), *span.end() + 1)
@@ -2729,10 +2730,16 @@ impl Arena {
                 self.holes.remove_before(pos);
             }
         }
-        for q in p..p + n {
-            self.pages[q].active = true;
-            self.kinds[q] = 0;
-            self.idle_since[q] = self.idle_clock;
+        // Over the run's slices: no bounds check per page.
+        for (slot, kind) in self.pages[p..p + n]
+            .iter_mut()
+            .zip(&mut self.kinds[p..p + n])
+        {
+            slot.active = true;
+            *kind = 0;
+        }
+        for since in &mut self.idle_since[p..p + n] {
+            *since = self.idle_clock;
             self.idle_clock += 1;
         }
         // The page sets a word at a time (runs of moved pages).
@@ -2841,10 +2848,13 @@ impl Arena {
             (false, Some(rl)) => *self.holes.rekey_at(pos, ps).expect("hole") = pe - ps + rl,
             (false, None) => self.holes.insert_at(pos, ps, pe - ps),
         }
-        for q in p..p + n {
-            assert!(self.pages[q].active, "deactivating an inactive page");
-            self.pages[q].active = false;
-            self.kinds[q] = KIND_HOLE | KIND_GHOST;
+        for (slot, kind) in self.pages[p..p + n]
+            .iter_mut()
+            .zip(&mut self.kinds[p..p + n])
+        {
+            assert!(slot.active, "deactivating an inactive page");
+            slot.active = false;
+            *kind = KIND_HOLE | KIND_GHOST;
         }
         // The page sets a word at a time.
         self.idle.remove_range(p, p + n);

@@ -850,19 +850,36 @@ fn rebind_singles(
     owners.clear();
     pending.clear();
     let may_pend = mover.is_some() && (st.arena.any_pending() || st.arena.any_held());
+    let any_pending = st.arena.any_pending();
     for &p in targets {
-        // Targets lie in the block: a ghost on an earlier target is one at
-        // a page from the block's start up to `p` (one range check).
-        let earlier = *block.start()..p;
-        let Some(i) = st.arena.mapping_at(p).filter(|&i| {
-            !st.arena.mappings(i).iter().any(|b| earlier.contains(b)) && phys_movable(st, i, block)
-        }) else {
+        let Some(i) = st.arena.mapping_at(p) else {
             rest.push(p);
             continue;
         };
-        if ghost_available(st, p) {
+        // The physical page's books, read once for every test below.
+        let (owner, k) = st.arena.owner_and_pages(i);
+        // Targets lie in the block: a ghost on an earlier target is one at
+        // a page from the block's start up to `p` (one range check). A
+        // page active inside the block stays (`phys_movable`).
+        let earlier = *block.start()..p;
+        if st.arena.mappings(i).iter().any(|b| earlier.contains(b))
+            || owner.is_some_and(|q| (q..q + k).any(|r| block.contains(&r)))
+        {
+            rest.push(p);
+            continue;
+        }
+        // `ghost_available`, from the books read above.
+        let free = match (owner, k) {
+            (None, _) => true,
+            (Some(q), 1) => {
+                st.arena.users(q) == 0
+                    && (!any_pending || st.arena.page_guards_all(q, |g| st.is_complete(g)))
+            }
+            (Some(_), _) => st.unit_free(i),
+        };
+        if free && !st.held(p) {
             moves.push((p, i));
-            match st.arena.owner(i) {
+            match owner {
                 Some(q) => owners.push(q),
                 None => st.arena.unspare(i),
             }
