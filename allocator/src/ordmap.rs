@@ -27,6 +27,10 @@ pub(crate) struct Pos {
     i: usize,
 }
 
+/// What [`OrdMap::around`] finds: a place and the entries before and at
+/// it.
+pub(crate) type Around<'a, K, V> = (Pos, Option<&'a (K, V)>, Option<&'a (K, V)>);
+
 #[derive(Debug, Clone)]
 pub(crate) struct OrdMap<K, V> {
     /// The first key of each chunk (chunks are never empty).
@@ -227,7 +231,7 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
     /// between. Any other `hint` (`usize::MAX`, or a chunk that starts
     /// above `k`) searches every chunk; the answer is the same.
     #[inline]
-    pub fn around(&self, k: &K, hint: &mut usize) -> (Pos, Option<&(K, V)>, Option<&(K, V)>) {
+    pub fn around(&self, k: &K, hint: &mut usize) -> Around<'_, K, V> {
         let c = match self.firsts.get(*hint..) {
             Some([f, rest @ ..]) if *f <= *k => match rest.first() {
                 // The next key is in the same chunk or the one after, as
@@ -258,7 +262,7 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
     /// [`around`](Self::around) of a key below every key (or in an empty
     /// map).
     #[cold]
-    fn around_first(&self) -> (Pos, Option<&(K, V)>, Option<&(K, V)>) {
+    fn around_first(&self) -> Around<'_, K, V> {
         let right = self.chunks.first().and_then(|c| c.first());
         (Pos { c: 0, i: 0 }, None, right)
     }
