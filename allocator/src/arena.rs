@@ -462,10 +462,12 @@ impl Gaps {
     }
 
     /// Bytes `[off, off+len)` stop being used: merge with the spans around.
+    /// `hint` is a chunk of the map to search from (see
+    /// [`OrdMap::around`]; `usize::MAX` for none), set to the one found.
     #[inline(always)]
-    fn release(&mut self, off: usize, len: usize) {
+    fn release(&mut self, off: usize, len: usize, hint: &mut usize) {
         if let Some((o, l)) = self.clip(off, len) {
-            self.release_in(o, l);
+            self.release_in(o, l, hint);
             self.retune();
         }
     }
@@ -482,8 +484,8 @@ impl Gaps {
     }
 
     #[inline(never)]
-    fn release_in(&mut self, off: usize, len: usize) {
-        let (pos, left, right) = self.spans.touching(off, len);
+    fn release_in(&mut self, off: usize, len: usize, hint: &mut usize) {
+        let (pos, left, right) = self.spans.touching_from(off, len, hint);
         match (left, right) {
             (Some((lo, ll)), Some(rl)) => {
                 // The left span grows over the right one, which goes: both
@@ -707,6 +709,60 @@ impl Guard {
 
 /// A free range and its start.
 type Placed = (usize, FreeRange);
+
+/// Where the last of a batch of spans given back went, as chunks of the
+/// gaps' map and of the free map (see [`OrdMap::around`]): the next span,
+/// above it, is searched for from there.
+#[derive(Debug, Clone, Copy)]
+struct SpanHint {
+    gaps: usize,
+    free: usize,
+}
+
+impl SpanHint {
+    /// No hint: the maps are searched whole.
+    const NONE: SpanHint = SpanHint {
+        gaps: usize::MAX,
+        free: usize::MAX,
+    };
+}
+
+/// What a free range next to a block given back does with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Join {
+    /// Their guards are the same: they merge, under that guard.
+    Merge,
+    /// Their guards cannot merge: they stay apart.
+    Apart,
+    /// Two epochs of one stream: the earlier one may be settled first.
+    Meet,
+}
+
+/// How a range under `n` joins a block under `b` (one match on the pair
+/// for what [`Guard::merge`] and [`epochs_meet`] would say).
+#[inline]
+fn joins(n: Guard, b: Guard) -> Join {
+    match (n, b) {
+        (Guard::Complete, Guard::Complete) => Join::Merge,
+        (
+            Guard::After {
+                stream: s,
+                epoch: x,
+            },
+            Guard::After {
+                stream: t,
+                epoch: y,
+            },
+        ) if s == t => {
+            if x == y {
+                Join::Merge
+            } else {
+                Join::Meet
+            }
+        }
+        _ => Join::Apart,
+    }
+}
 
 /// Whether two guards are different epochs of one stream (a merge would
 /// make the earlier one wait for the later one).
@@ -1416,20 +1472,83 @@ impl Arena {
         &mut self,
         off: usize,
         len: usize,
-        mut guard: Guard,
+        guard: Guard,
         settled: &mut dyn FnMut(u64) -> u64,
+    ) {
+        let mut hint = usize::MAX;
+        self.insert_free_from(off, len, guard, settled, &mut hint);
+    }
+
+    /// [`insert_free`](Self::insert_free), the free map searched from
+    /// chunk `hint` on (see [`OrdMap::around`]), which is set to the
+    /// chunk found.
+    #[inline]
+    fn insert_free_from(
+        &mut self,
+        off: usize,
+        len: usize,
+        guard: Guard,
+        settled: &mut dyn FnMut(u64) -> u64,
+        hint: &mut usize,
     ) {
         // One search: the ranges on either side of `off` are read and
         // rewritten in place, or the new one goes between them.
-        let mut pos = self.free.lower_bound(&off);
-        let (mut l_adj, mut r_adj) = self.touching(pos, off, len);
-        let meets =
-            |n: Option<(usize, FreeRange)>| n.is_some_and(|(_, r)| epochs_meet(r.guard, guard));
-        if meets(l_adj) || meets(r_adj) {
-            guard = self.settle_meeting(pos, guard, l_adj, r_adj, settled);
-            pos = self.free.lower_bound(&off);
-            (l_adj, r_adj) = self.touching(pos, off, len);
+        let (pos, l_adj, r_adj) = self.touching(off, len, hint);
+        let join = |n: Option<Placed>| n.map_or(Join::Apart, |(_, r)| joins(r.guard, guard));
+        let (l_join, r_join) = (join(l_adj), join(r_adj));
+        if l_join == Join::Meet || r_join == Join::Meet {
+            self.insert_free_meeting(pos, off, len, guard, l_adj, r_adj, settled);
+            return;
         }
+        // No other epoch of the block's stream touches it: a neighbour
+        // merges where its guard is the block's, and the merged range
+        // keeps that guard.
+        match (l_join == Join::Merge, r_join == Join::Merge) {
+            (false, false) => {
+                self.free.insert_at(pos, off, FreeRange { len, guard });
+                self.index_pending(guard);
+            }
+            (true, false) => {
+                // The left neighbour grows up to the block's end.
+                self.free.before_mut(pos).expect("left neighbour").len += len;
+            }
+            (false, true) => {
+                // Only the right neighbour: it grows down to `off`, in
+                // place (no range starts inside the bytes given back).
+                self.free.rekey_at(pos, off).expect("right neighbour").len += len;
+            }
+            (true, true) => {
+                // One range from the left one's start to the right one's
+                // end: the left one's end goes.
+                let rl = r_adj.map_or(0, |(_, r)| r.len);
+                self.free.before_mut(pos).expect("left neighbour").len += len + rl;
+                self.free.remove_at_pos(pos);
+                self.unindex_pending(guard);
+            }
+        }
+    }
+
+    /// [`insert_free`](Self::insert_free) of a block that touches another
+    /// epoch of its stream: that one or the block is settled first where
+    /// `settled` covers it, then the neighbours merge where their guards
+    /// allow (the left one first, then the right one under the merged
+    /// guard).
+    #[cold]
+    #[inline(never)]
+    #[allow(clippy::too_many_arguments)]
+    fn insert_free_meeting(
+        &mut self,
+        pos: Pos,
+        off: usize,
+        len: usize,
+        guard: Guard,
+        l_adj: Option<Placed>,
+        r_adj: Option<Placed>,
+        settled: &mut dyn FnMut(u64) -> u64,
+    ) {
+        let guard = self.settle_meeting(pos, guard, l_adj, r_adj, settled);
+        let mut hint = usize::MAX;
+        let (pos, l_adj, r_adj) = self.touching(off, len, &mut hint);
         let left = l_adj.and_then(|(lo, l)| l.guard.merge(guard).map(|g| (lo, l, g)));
         let after_left = left.map_or(guard, |(_, _, g)| g);
         let right = r_adj.and_then(|(ro, r)| r.guard.merge(after_left).map(|g| (ro, r, g)));
@@ -1469,21 +1588,20 @@ impl Arena {
         }
     }
 
-    /// The free ranges that end at `off` and start at `off + len`, around
-    /// `pos` (where `off` would go).
+    /// Where `off` would go in the free map, and the free ranges around
+    /// it that end at `off` and start at `off + len`; the map searched
+    /// from chunk `hint` on (see [`OrdMap::around`]).
     #[inline(always)]
-    fn touching(&self, pos: Pos, off: usize, len: usize) -> (Option<Placed>, Option<Placed>) {
-        let left = self
-            .free
-            .before(pos)
-            .filter(|&(lo, l)| lo + l.len == off)
-            .map(|(lo, &l)| (lo, l));
-        let right = self
-            .free
-            .at(pos)
-            .filter(|&(ro, _)| ro == off + len)
-            .map(|(ro, &r)| (ro, r));
-        (left, right)
+    fn touching(
+        &self,
+        off: usize,
+        len: usize,
+        hint: &mut usize,
+    ) -> (Pos, Option<Placed>, Option<Placed>) {
+        let (pos, left, right) = self.free.around(&off, hint);
+        let left = left.filter(|&&(lo, l)| lo + l.len == off).copied();
+        let right = right.filter(|&&(ro, _)| ro == off + len).copied();
+        (pos, left, right)
     }
 
     /// [`insert_free`](Self::insert_free)'s rare part: a block under
@@ -1717,7 +1835,8 @@ impl Arena {
         mut settled: impl FnMut(u64) -> u64,
     ) {
         self.drop_users(off, len);
-        self.free_span(off, len, guard, &mut settled);
+        let mut hint = SpanHint::NONE;
+        self.free_span(off, len, guard, &mut settled, &mut hint);
     }
 
     /// Give back blocks of one stream, each under `After { stream, epoch
@@ -1758,6 +1877,9 @@ impl Arena {
                 self.drop_users(off, len);
             }
             blocks.sort_unstable_by_key(|b| b.0);
+            // The spans go up in address order: each map is searched from
+            // where the last span went.
+            let mut hint = SpanHint::NONE;
             let mut i = 0;
             while i < n {
                 let (off, mut len, mut epoch) = blocks[i];
@@ -1773,7 +1895,7 @@ impl Arena {
                     epoch = epoch.max(next);
                     i += 1;
                 }
-                self.free_span(off, len, guard(epoch), &mut settled);
+                self.free_span(off, len, guard(epoch), &mut settled, &mut hint);
             }
         }
         self.batch_scratch = blocks;
@@ -1790,10 +1912,11 @@ impl Arena {
         len: usize,
         guard: Guard,
         settled: &mut dyn FnMut(u64) -> u64,
+        hint: &mut SpanHint,
     ) {
         self.run_add(off, len);
-        self.gaps.release(off, len);
-        self.insert_free(off, len, guard, settled);
+        self.gaps.release(off, len, &mut hint.gaps);
+        self.insert_free_from(off, len, guard, settled, &mut hint.free);
     }
 
     /// Best-fit search: in the smallest run of adjacent free ranges that

@@ -27,6 +27,10 @@ pub(crate) struct Pos {
     i: usize,
 }
 
+/// What [`OrdMap::around`] finds: a place and the entries before and at
+/// it.
+pub(crate) type Around<'a, K, V> = (Pos, Option<&'a (K, V)>, Option<&'a (K, V)>);
+
 #[derive(Debug, Clone)]
 pub(crate) struct OrdMap<K, V> {
     /// The first key of each chunk (chunks are never empty).
@@ -215,6 +219,52 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
                 i: self.chunks[c].partition_point(|e| e.0 < *k),
             },
         }
+    }
+
+    /// [`lower_bound`](Self::lower_bound) of `k` with the entries on either
+    /// side of the place it finds (the last with a key below `k`, the
+    /// first with a key at least `k`): one search for a caller that reads
+    /// both. `hint` is a chunk to search from, any number: where that
+    /// chunk still starts at or below `k`, the chunks before it are not
+    /// looked at, so a caller going up through the map in key order keeps
+    /// the one found here (it is set to it) and searches only what lies
+    /// between. Any other `hint` (`usize::MAX`, or a chunk that starts
+    /// above `k`) searches every chunk; the answer is the same.
+    #[inline]
+    pub fn around(&self, k: &K, hint: &mut usize) -> Around<'_, K, V> {
+        let c = match self.firsts.get(*hint..) {
+            Some([f, rest @ ..]) if *f <= *k => match rest.first() {
+                // The next key is in the same chunk or the one after, as
+                // it is for blocks of a batch, mostly.
+                Some(n) if *n <= *k => *hint + 1 + rest[1..].partition_point(|f| f <= k),
+                _ => *hint,
+            },
+            _ => match self.chunk_le(k) {
+                Some(c) => c,
+                None => return self.around_first(),
+            },
+        };
+        *hint = c;
+        let chunk = &self.chunks[c];
+        let i = chunk.partition_point(|e| e.0 < *k);
+        let left = match i.checked_sub(1) {
+            Some(j) => chunk.get(j),
+            // `k` is the chunk's first key.
+            None => c.checked_sub(1).and_then(|p| self.chunks[p].last()),
+        };
+        let right = match chunk.get(i) {
+            Some(e) => Some(e),
+            None => self.chunks.get(c + 1).and_then(|n| n.first()),
+        };
+        (Pos { c, i }, left, right)
+    }
+
+    /// [`around`](Self::around) of a key below every key (or in an empty
+    /// map).
+    #[cold]
+    fn around_first(&self) -> Around<'_, K, V> {
+        let right = self.chunks.first().and_then(|c| c.first());
+        (Pos { c: 0, i: 0 }, None, right)
     }
 
     /// `pos` as (chunk, index) of an entry, if one is at or after it.
@@ -619,6 +669,21 @@ impl OrdMap<usize, usize> {
             .map(|(_, &rl)| rl);
         (pos, left, right)
     }
+
+    /// [`touching`](Self::touching), searched from chunk `hint` on (see
+    /// [`around`](Self::around), which sets it to the chunk found).
+    #[inline]
+    pub fn touching_from(
+        &self,
+        off: usize,
+        len: usize,
+        hint: &mut usize,
+    ) -> (Pos, Option<(usize, usize)>, Option<usize>) {
+        let (pos, left, right) = self.around(&off, hint);
+        let left = left.filter(|&&(lo, ll)| lo + ll == off).copied();
+        let right = right.filter(|&&(ro, _)| ro == off + len).map(|&(_, rl)| rl);
+        (pos, left, right)
+    }
 }
 
 impl<K: Ord + Copy, V: PartialEq> PartialEq for OrdMap<K, V> {
@@ -693,6 +758,17 @@ mod tests {
             assert_eq!(mine(map.at(pos)), kv(model.range(q..).next()));
             assert_eq!(mine(map.before(pos)), kv(model.range(..q).next_back()));
             assert_eq!(mine(map.after(pos)), kv(model.range(q..).nth(1)));
+            // The same place and neighbours from any chunk to start at.
+            let mut hint = match step % 3 {
+                0 => usize::MAX,
+                _ => (rnd() % 40) as usize,
+            };
+            let (p2, l2, r2) = map.around(&q, &mut hint);
+            let pair = |e: Option<&(u32, u32)>| e.map(|&(k, v)| (k, v));
+            assert_eq!(pair(l2), kv(model.range(..q).next_back()));
+            assert_eq!(pair(r2), kv(model.range(q..).next()));
+            assert_eq!(mine(map.before(p2)), pair(l2));
+            assert_eq!(mine(map.at(p2)), pair(r2));
             if step % 7 == 4 {
                 if let Some(v) = map.at_mut(pos) {
                     *v += 5;
@@ -823,5 +899,63 @@ mod tests {
             .iter()
             .map(|(k, &v)| (k, v))
             .eq(model.iter().map(|(&k, &v)| (k, v))));
+    }
+
+    /// Spans given back in address order, each searched for from the
+    /// chunk where the last one went, while the map grows and shrinks
+    /// between them (chunks split and join, so the chunk numbers move):
+    /// every search finds what a search of the whole map finds.
+    #[test]
+    fn touching_from_a_carried_hint() {
+        let mut map: OrdMap<usize, usize> = OrdMap::new();
+        let mut model: BTreeMap<usize, usize> = BTreeMap::new();
+        let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+        let mut rnd = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for round in 0..300 {
+            // Spans of one byte at even keys, some of them.
+            for _ in 0..40 {
+                let k = (rnd() % 4_000) as usize * 2;
+                map.insert(k, 1);
+                model.insert(k, 1);
+            }
+            let mut hint = if round % 2 == 0 { usize::MAX } else { 0 };
+            let mut off = (rnd() % 50) as usize;
+            while off < 8_000 {
+                let len = 1 + (rnd() % 3) as usize;
+                if model.range(off..off + len).next().is_some() {
+                    // Bytes in a span: not given back.
+                    off += len;
+                    continue;
+                }
+                let (pos, left, right) = map.touching_from(off, len, &mut hint);
+                let want_left = model
+                    .range(..off)
+                    .next_back()
+                    .filter(|(&o, &l)| o + l == off)
+                    .map(|(&o, &l)| (o, l));
+                let want_right = model.get(&(off + len)).copied();
+                assert_eq!((left, right), (want_left, want_right));
+                assert_eq!(
+                    map.at(pos).map(|(k, &v)| (k, v)),
+                    model.range(off..).next().map(|(&k, &v)| (k, v))
+                );
+                // Change the map around the place: an entry in, or the one
+                // at the place out (the chunks move under the hint).
+                if rnd() % 2 == 0 && !model.contains_key(&off) {
+                    map.insert_at(pos, off, 1);
+                    model.insert(off, 1);
+                } else if let Some((k, _)) = map.remove_at_pos(pos) {
+                    model.remove(&k);
+                }
+                off += len + (rnd() % 40) as usize;
+            }
+            map.check();
+        }
+        assert_eq!(map.len(), model.len());
     }
 }
