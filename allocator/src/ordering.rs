@@ -279,9 +279,13 @@ impl SizeCache {
     /// [`SizeCache::pop`] past the `last` slot.
     #[inline(never)]
     fn pop_other(&mut self, len: usize) -> Option<CachedBlock> {
+        // Only a slot pushed to since the last drain, and only a listed
+        // length, can hold a block: a miss on an emptied cache costs no
+        // slot load and no hashing.
         match Self::small_slot(len) {
-            Some(i) => self.small.as_mut()?.0[i].pop(),
-            None => self.large.get_mut(&len)?.blocks.pop(),
+            Some(i) if self.small_pushed & (1 << i) != 0 => self.small.as_mut()?.0[i].pop(),
+            None if !self.large_pushed.is_empty() => self.large.get_mut(&len)?.blocks.pop(),
+            _ => None,
         }
     }
 
@@ -1569,6 +1573,7 @@ impl<D: Device> StreamOrder<D> {
     /// about (stream order already lets `me` reuse them). Does nothing
     /// unless observed completion may be used (`opportunistic`). `own`:
     /// `me`'s entry where the caller has it at hand (no table lookup).
+    #[inline]
     pub fn poll_completions(
         &self,
         arena: &mut Arena,
@@ -1596,6 +1601,19 @@ impl<D: Device> StreamOrder<D> {
             }
             _ => {}
         }
+        self.poll_watched(arena, done, me, own);
+    }
+
+    /// [`poll_completions`](Self::poll_completions) past its quick
+    /// answers (out of line: most slow allocations stop before it).
+    #[inline(never)]
+    fn poll_watched(
+        &self,
+        arena: &mut Arena,
+        done: &mut Completion,
+        me: u64,
+        own: Option<&StreamEntry>,
+    ) {
         let mut ids = self.with_watch(std::mem::take);
         if ids.is_empty() {
             return;
