@@ -996,7 +996,7 @@ pub(crate) struct Arena {
     /// at these, per stream, oldest first.
     pending: PendingIndex,
     /// Reused by `settle` (no allocation per call).
-    settle_scratch: Vec<(usize, Guard, Guard)>,
+    settle_scratch: Vec<(usize, Guard, Guard, Pos)>,
     /// Reused by `settle`: the guards to rewrite, with their new guards.
     settle_guards: Vec<(Guard, Guard)>,
     /// Reused by `give_back_stream`: (start, length, epoch) of each block.
@@ -2237,17 +2237,18 @@ impl Arena {
         changed.clear();
         if ranges > 0 {
             use std::ops::ControlFlow::{Break, Continue};
-            self.free.scan_at(self.free.lower_bound(&0), |o, r| {
-                if matches!(r.guard, Guard::After { .. }) {
-                    if let Some(&(was, g)) = guards.iter().find(|(w, _)| *w == r.guard) {
-                        changed.push((o + r.len, was, g));
-                        if changed.len() == ranges {
-                            return Break(());
+            self.free
+                .scan_places_at(self.free.lower_bound(&0), |at, o, r| {
+                    if matches!(r.guard, Guard::After { .. }) {
+                        if let Some(&(was, g)) = guards.iter().find(|(w, _)| *w == r.guard) {
+                            changed.push((o + r.len, was, g, at));
+                            if changed.len() == ranges {
+                                return Break(());
+                            }
                         }
                     }
-                }
-                Continue(())
-            });
+                    Continue(())
+                });
             debug_assert_eq!(changed.len(), ranges, "the counts agree with the ranges");
         }
         self.settle_guards = guards;
@@ -2255,10 +2256,10 @@ impl Arena {
     }
 
     /// Rewrite the guards collected as (end of the range, guard, new
-    /// guard), in address order.
+    /// guard, its place when collected), in address order.
     fn apply_settled(
         &mut self,
-        changed: Vec<(usize, Guard, Guard)>,
+        changed: Vec<(usize, Guard, Guard, Pos)>,
         mut upgrade: impl FnMut(Guard) -> Option<Guard>,
     ) {
         debug_assert!(changed.windows(2).all(|w| w[0].0 < w[1].0), "by address");
@@ -2269,18 +2270,27 @@ impl Arena {
         // was collected; one merged with another since is looked up again
         // by its last byte and upgraded where it now lies, as its guard
         // now says.
-        for &(end, was, g) in &changed {
+        for &(end, was, g, at) in &changed {
             // The range holding the last byte of the one collected: the
-            // last one starting below `end`.
-            let Some(pos) = self.free.pos_before(self.free.lower_bound(&end)) else {
-                continue;
+            // last one starting below `end`. Where the place it was
+            // collected at still holds a range with that byte (no range
+            // was removed before it since), that is the one, found with
+            // no search.
+            let (pos, start, cur) = match self.free.at_place(at) {
+                Some((start, &cur)) if start < end && start + cur.len >= end => (at, start, cur),
+                _ => {
+                    let Some(pos) = self.free.pos_before(self.free.lower_bound(&end)) else {
+                        continue;
+                    };
+                    let Some((start, &cur)) = self.free.at(pos) else {
+                        continue;
+                    };
+                    if start + cur.len < end {
+                        continue;
+                    }
+                    (pos, start, cur)
+                }
             };
-            let Some((start, &cur)) = self.free.at(pos) else {
-                continue;
-            };
-            if start + cur.len < end {
-                continue;
-            }
             let g = if start + cur.len == end && cur.guard == was {
                 Some(g)
             } else {
@@ -2323,23 +2333,23 @@ impl Arena {
                 self.free.remove_at_pos(pos);
                 self.reindex_pending(l.guard, m);
             }
-            (None, Some((ro, rr, m))) => {
+            (None, Some((_, rr, m))) => {
                 *self.free.at_mut(pos).expect("upgraded range") = FreeRange {
                     len: r.len + rr.len,
                     guard: m,
                 };
-                self.free.remove(&ro);
+                // The right one is the entry just after (no search).
+                self.free.remove_after(pos).expect("right neighbour");
                 self.reindex_pending(rr.guard, m);
             }
-            (Some((_, l, _)), Some((ro, rr, m))) => {
+            (Some((_, l, _)), Some((_, rr, m))) => {
                 *self.free.before_mut(pos).expect("left neighbour") = FreeRange {
                     len: l.len + r.len + rr.len,
                     guard: m,
                 };
-                // The range itself at its place (no search), then the
-                // right one by its key.
-                self.free.remove_at_pos(pos);
-                self.free.remove(&ro);
+                // The range itself and the right one after it, at their
+                // places (no search).
+                assert!(self.free.remove_two_at(pos), "range and right neighbour");
                 self.unindex_pending(l.guard);
                 self.reindex_pending(rr.guard, m);
             }
@@ -2350,10 +2360,12 @@ impl Arena {
     /// tested against).
     #[cfg(test)]
     fn settle_linear(&mut self, mut upgrade: impl FnMut(Guard) -> Option<Guard>) {
-        let changed: Vec<(usize, Guard, Guard)> = self
+        let changed: Vec<(usize, Guard, Guard, Pos)> = self
             .free
             .iter()
-            .filter_map(|(o, &r)| upgrade(r.guard).map(|g| (o + r.len, r.guard, g)))
+            .filter_map(|(o, &r)| {
+                upgrade(r.guard).map(|g| (o + r.len, r.guard, g, self.free.lower_bound(&o)))
+            })
             .collect();
         self.apply_settled(changed, upgrade);
     }

@@ -176,10 +176,14 @@ pub(crate) struct SizeCache {
     /// Bit `i` set: small slot `i` got a block since the last drain (it
     /// may have been taken since), so a drain visits only these slots.
     small_pushed: u128,
-    large: HashMap<usize, LargeList, BuildIntHasher>,
-    /// The lengths of `large` whose list got a block since the last drain
-    /// (each once), so that a drain visits only these lists, not every
-    /// length the stream ever cached.
+    /// Where the list of each length above [`SMALL_CACHE_MAX`] is in
+    /// `large_lists`.
+    large: HashMap<usize, usize, BuildIntHasher>,
+    large_lists: Vec<LargeList>,
+    /// The places in `large_lists` of the lists that got a block since
+    /// the last drain (each once), so that a drain visits only these
+    /// lists, not every length the stream ever cached, and finds them
+    /// with no hashing.
     large_pushed: Vec<usize>,
 }
 
@@ -187,6 +191,7 @@ pub(crate) struct SizeCache {
 /// whether the length is in [`SizeCache::large_pushed`].
 #[derive(Debug, Default)]
 struct LargeList {
+    len: usize,
     blocks: Vec<CachedBlock>,
     listed: bool,
 }
@@ -279,9 +284,16 @@ impl SizeCache {
     /// [`SizeCache::pop`] past the `last` slot.
     #[inline(never)]
     fn pop_other(&mut self, len: usize) -> Option<CachedBlock> {
+        // Only a slot pushed to since the last drain, and only a listed
+        // length, can hold a block: a miss on an emptied cache costs no
+        // slot load and no hashing.
         match Self::small_slot(len) {
-            Some(i) => self.small.as_mut()?.0[i].pop(),
-            None => self.large.get_mut(&len)?.blocks.pop(),
+            Some(i) if self.small_pushed & (1 << i) != 0 => self.small.as_mut()?.0[i].pop(),
+            None if !self.large_pushed.is_empty() => {
+                let k = *self.large.get(&len)?;
+                self.large_lists[k].blocks.pop()
+            }
+            _ => None,
         }
     }
 
@@ -289,20 +301,20 @@ impl SizeCache {
     pub fn push(&mut self, len: usize, block: CachedBlock) {
         if len == self.last_len {
             self.last.push(block);
+        } else if self.last.is_empty() {
+            // `last` takes this length (a drain leaves it empty, so the
+            // first free after one lands here).
+            self.last_len = len;
+            self.last.push(block);
         } else {
             self.push_other(len, block);
         }
     }
 
-    /// A block of another length than `last`'s: into `last` when it is
-    /// empty (it then keeps this length), else into the array or the map.
+    /// A block of another length than `last`'s, `last` holding some: into
+    /// the array or the map.
     #[inline(never)]
     fn push_other(&mut self, len: usize, block: CachedBlock) {
-        if self.last.is_empty() {
-            self.last_len = len;
-            self.last.push(block);
-            return;
-        }
         match Self::small_slot(len) {
             Some(i) => {
                 self.small_pushed |= 1 << i;
@@ -312,10 +324,18 @@ impl SizeCache {
                 }
             }
             None => {
-                let list = self.large.entry(len).or_default();
+                let lists = &mut self.large_lists;
+                let k = *self.large.entry(len).or_insert_with(|| {
+                    lists.push(LargeList {
+                        len,
+                        ..Default::default()
+                    });
+                    lists.len() - 1
+                });
+                let list = &mut self.large_lists[k];
                 if !list.listed {
                     list.listed = true;
-                    self.large_pushed.push(len);
+                    self.large_pushed.push(k);
                 }
                 list.blocks.push(block);
             }
@@ -343,7 +363,7 @@ impl SizeCache {
         match Self::small_slot(len) {
             Some(i) => self.small.as_mut()?.0[i].take_covered(epoch),
             None => {
-                let list = &mut self.large.get_mut(&len)?.blocks;
+                let list = &mut self.large_lists[*self.large.get(&len)?].blocks;
                 let at = list.iter().rposition(|b| b.epoch <= epoch)?;
                 Some(list.remove(at))
             }
@@ -364,12 +384,10 @@ impl SizeCache {
             }
         }
         // Only the lists pushed to since the last drain can hold blocks.
-        for len in self.large_pushed.drain(..) {
-            let list = self
-                .large
-                .get_mut(&len)
-                .expect("a listed length has a list");
+        for k in self.large_pushed.drain(..) {
+            let list = &mut self.large_lists[k];
             list.listed = false;
+            let len = list.len;
             for b in list.blocks.drain(..) {
                 f(len, b);
             }
@@ -378,6 +396,7 @@ impl SizeCache {
             // All empty now: past this many lengths the lists go rather
             // than each keeping its capacity.
             self.large.clear();
+            self.large_lists.clear();
         }
         let len = self.last_len;
         self.last.drain(|b| f(len, b));
@@ -1569,6 +1588,7 @@ impl<D: Device> StreamOrder<D> {
     /// about (stream order already lets `me` reuse them). Does nothing
     /// unless observed completion may be used (`opportunistic`). `own`:
     /// `me`'s entry where the caller has it at hand (no table lookup).
+    #[inline]
     pub fn poll_completions(
         &self,
         arena: &mut Arena,
@@ -1596,6 +1616,19 @@ impl<D: Device> StreamOrder<D> {
             }
             _ => {}
         }
+        self.poll_watched(arena, done, me, own);
+    }
+
+    /// [`poll_completions`](Self::poll_completions) past its quick
+    /// answers (out of line: most slow allocations stop before it).
+    #[inline(never)]
+    fn poll_watched(
+        &self,
+        arena: &mut Arena,
+        done: &mut Completion,
+        me: u64,
+        own: Option<&StreamEntry>,
+    ) {
         let mut ids = self.with_watch(std::mem::take);
         if ids.is_empty() {
             return;

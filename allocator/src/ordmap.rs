@@ -343,6 +343,58 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
         Some(self.remove_at(c, i))
     }
 
+    /// The entry at exactly `pos` (a place handed out before the map
+    /// changed), if it still holds one: unlike [`at`](Self::at), never the
+    /// next chunk's first entry where the chunk has got shorter, so that
+    /// the neighbours of the place are those of the entry.
+    #[inline]
+    pub fn at_place(&self, pos: Pos) -> Option<(K, &V)> {
+        let e = self.chunks.get(pos.c)?.get(pos.i)?;
+        Some((e.0, &e.1))
+    }
+
+    /// Remove the entry after the one at `pos` (no search); returns it.
+    pub fn remove_after(&mut self, pos: Pos) -> Option<(K, V)> {
+        let (c, i) = self.entry_at(pos)?;
+        let (c, i) = if i + 1 < self.chunks[c].len() {
+            (c, i + 1)
+        } else {
+            (c + 1, 0)
+        };
+        // Chunks are never empty: the next chunk, if any, has a first entry.
+        (c < self.chunks.len()).then(|| self.remove_at(c, i))
+    }
+
+    /// Remove the entry at `pos` and the one after it (no search); false
+    /// (nothing removed) unless both are there.
+    pub fn remove_two_at(&mut self, pos: Pos) -> bool {
+        let Some((c, i)) = self.entry_at(pos) else {
+            return false;
+        };
+        if i + 2 <= self.chunks[c].len() {
+            let chunk = &mut self.chunks[c];
+            chunk.drain(i..i + 2);
+            self.len -= 2;
+            let n = chunk.len();
+            if n > 0 && i == 0 {
+                self.firsts[c] = chunk[0].0;
+            }
+            if n < CHUNK_MIN {
+                self.shrunk(c);
+            }
+        } else {
+            if c + 1 >= self.chunks.len() {
+                return false;
+            }
+            // The later one first: removing the first entry of chunk
+            // `c + 1` leaves the entries of chunk `c` where they are (a
+            // short chunk joins the next one, or is appended to `c`).
+            self.remove_at(c + 1, 0);
+            self.remove_at(c, i);
+        }
+        true
+    }
+
     /// The value of the entry before `pos`, mutable.
     #[inline]
     pub fn before_mut(&mut self, pos: Pos) -> Option<&mut V> {
@@ -571,6 +623,28 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
                         i: i + j + 1,
                     };
                     return Some((r, past));
+                }
+            }
+            i = 0;
+        }
+        None
+    }
+
+    /// [`scan_at`](Self::scan_at), `f` also given each entry's place (the
+    /// one [`lower_bound`](Self::lower_bound) finds for its key): valid
+    /// until the map next changes.
+    #[inline]
+    pub fn scan_places_at<R>(
+        &self,
+        pos: Pos,
+        mut f: impl FnMut(Pos, K, &V) -> std::ops::ControlFlow<R>,
+    ) -> Option<R> {
+        let Pos { c, mut i } = pos;
+        for (d, chunk) in self.chunks.get(c..).unwrap_or_default().iter().enumerate() {
+            for (j, e) in chunk.get(i..).unwrap_or_default().iter().enumerate() {
+                let at = Pos { c: c + d, i: i + j };
+                if let std::ops::ControlFlow::Break(r) = f(at, e.0, &e.1) {
+                    return Some(r);
                 }
             }
             i = 0;
@@ -957,5 +1031,69 @@ mod tests {
             map.check();
         }
         assert_eq!(map.len(), model.len());
+    }
+
+    /// The removals by place of the entry after a place and of two
+    /// entries at once, and the places a scan hands out, against a model,
+    /// across chunk boundaries and joins.
+    #[test]
+    fn removals_by_place_and_scanned_places_agree_with_a_btree_map() {
+        let mut map: OrdMap<u32, u32> = OrdMap::new();
+        let mut model: BTreeMap<u32, u32> = BTreeMap::new();
+        let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+        let mut rnd = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for step in 0..40_000u32 {
+            let grow = (step / 3_000) % 2 == 0;
+            let r = rnd();
+            let k = (r % 1_500) as u32;
+            if grow || r >> 62 == 0 {
+                map.insert(k, step);
+                model.insert(k, step);
+            }
+            let q = (rnd() % 1_600) as u32;
+            let pos = map.lower_bound(&q);
+            let after: Vec<u32> = model.range(q..).take(2).map(|(&k, _)| k).collect();
+            match step % 3 {
+                0 => {
+                    let mine = map.remove_after(pos);
+                    let want = after.get(1).map(|&k| (k, model.remove(&k).unwrap()));
+                    assert_eq!(mine, want);
+                }
+                1 => {
+                    let removed = map.remove_two_at(pos);
+                    assert_eq!(removed, after.len() == 2);
+                    if removed {
+                        for k in &after {
+                            model.remove(k);
+                        }
+                    }
+                }
+                _ => {
+                    // Every place a scan gives holds its entry.
+                    let mut n = 0;
+                    let _ = map.scan_places_at(map.lower_bound(&0), |at, k, &v| {
+                        assert_eq!(map.at(at), Some((k, &v)));
+                        assert_eq!(map.at_place(at), Some((k, &v)));
+                        let found = map.lower_bound(&k);
+                        assert_eq!((found.c, found.i), (at.c, at.i));
+                        n += 1;
+                        std::ops::ControlFlow::<()>::Continue(())
+                    });
+                    assert_eq!(n, model.len());
+                }
+            }
+            if step % 50 == 0 {
+                map.check();
+                assert!(map
+                    .iter()
+                    .map(|(k, &v)| (k, v))
+                    .eq(model.iter().map(|(&k, &v)| (k, v))));
+            }
+        }
     }
 }
