@@ -243,6 +243,14 @@ pub(crate) struct Window {
     span: Option<Pos>,
 }
 
+/// Where a best-fit run was found (see [`Arena::find_fit_any_at`]): the
+/// place in the runs just past it, where it was at hand. Good until the
+/// arena next changes; one used later may panic.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RunAt {
+    run: Option<Pos>,
+}
+
 /// The maximal spans of the address space that no block uses (free ranges
 /// and holes together), with a max-tree over pages once there are many of
 /// them: the leaf of page `p` holds the length of the longest span
@@ -1275,18 +1283,27 @@ impl Arena {
     /// (inside the best-fit regions).
     #[inline(always)]
     fn run_remove(&mut self, off: usize, len: usize) {
+        self.run_remove_at(off, len, None);
+    }
+
+    /// [`run_remove`](Self::run_remove); `run`, where known, the place just
+    /// past the run holding `off` (it is then not searched for).
+    #[inline(always)]
+    fn run_remove_at(&mut self, off: usize, len: usize, run: Option<Pos>) {
         if !self.outside_fit_regions(off, len) {
-            self.run_remove_regions(off, len);
+            self.run_remove_regions(off, len, run);
         }
     }
 
     /// [`run_remove`](Self::run_remove) past its quick test.
-    fn run_remove_regions(&mut self, off: usize, len: usize) {
+    fn run_remove_regions(&mut self, off: usize, len: usize, run: Option<Pos>) {
         for i in 0..self.fit_regions.len() {
             let r = &self.fit_regions[i];
             let (lo, hi) = (off.max(r.start), (off + len).min(r.end));
             if lo < hi {
-                self.run_remove_in(lo, hi - lo);
+                // The place handed in is that of the run holding `off`,
+                // in its region only.
+                self.run_remove_in(lo, hi - lo, run.filter(|_| lo == off));
             }
         }
     }
@@ -1340,9 +1357,9 @@ impl Arena {
         }
     }
 
-    fn run_remove_in(&mut self, off: usize, len: usize) {
+    fn run_remove_in(&mut self, off: usize, len: usize, run: Option<Pos>) {
         // The run holding `off` is the one before the first key past it.
-        let pos = self.runs.lower_bound(&(off + 1));
+        let pos = run.unwrap_or_else(|| self.runs.lower_bound(&(off + 1)));
         let (ro, &rl) = self.runs.before(pos).expect("removed bytes lie in a run");
         let end = off + len;
         assert!(ro + rl >= end, "removed bytes lie in a run");
@@ -1579,7 +1596,14 @@ impl Arena {
     /// Hand out `[off, off+len)`, which must be covered by free ranges
     /// (several adjacent ones when their guards could not merge).
     pub fn take(&mut self, off: usize, len: usize) {
-        self.take_with(off, len, None);
+        self.take_with(off, len, None, None);
+    }
+
+    /// [`take`](Self::take) of a window that
+    /// [`find_fit_any_at`](Self::find_fit_any_at) just found, with the
+    /// arena unchanged since: its run is not searched for again.
+    pub fn take_in_run(&mut self, off: usize, len: usize, r: RunAt) {
+        self.take_with(off, len, None, r.run);
     }
 
     /// [`take`](Self::take) of a window that
@@ -1587,15 +1611,16 @@ impl Arena {
     /// [`first_window_any_at`](Self::first_window_any_at) just found, with
     /// the arena unchanged since: its span is not searched for again.
     pub fn take_in_window(&mut self, off: usize, len: usize, w: Window) {
-        self.take_with(off, len, w.span);
+        self.take_with(off, len, w.span, None);
     }
 
     /// [`take`](Self::take); `span`, where known, the place in the gaps
-    /// just past the span that holds the bytes.
+    /// just past the span that holds the bytes, and `run` the place in the
+    /// runs just past the run that holds them.
     #[inline]
-    fn take_with(&mut self, off: usize, len: usize, span: Option<Pos>) {
+    fn take_with(&mut self, off: usize, len: usize, span: Option<Pos>, run: Option<Pos>) {
         let end = off + len;
-        self.run_remove(off, len);
+        self.run_remove_at(off, len, run);
         self.gaps.occupy(off, len, span);
         // Usually one free range covers the block: cut it in place. It is
         // the one before the first key past `off`.
@@ -1869,12 +1894,24 @@ impl Arena {
     /// range (class 0 everywhere): the smallest run that holds an aligned
     /// window in `zone`, at its lowest aligned start; the ranges inside the
     /// runs are not looked at.
+    #[cfg(test)]
     pub fn find_fit_any(
         &self,
         len: usize,
         align: usize,
         zone: &std::ops::Range<usize>,
     ) -> Option<usize> {
+        self.find_fit_any_at(len, align, zone).map(|f| f.0)
+    }
+
+    /// `find_fit_any` (kept for the tests), with where the run found lies,
+    /// for [`take_in_run`](Self::take_in_run).
+    pub fn find_fit_any_at(
+        &self,
+        len: usize,
+        align: usize,
+        zone: &std::ops::Range<usize>,
+    ) -> Option<(usize, RunAt)> {
         let fits = |rlen: usize, roff: usize| {
             let (lo, hi) = (roff.max(zone.start), (roff + rlen).min(zone.end));
             let off = align_up(lo, align);
@@ -1888,7 +1925,8 @@ impl Arena {
                 .find_map(|(k, _)| {
                     let (rlen, roff) = from_size_key(k);
                     fits(rlen, roff)
-                });
+                })
+                .map(|off| (off, RunAt { run: None }));
         }
         // The least (length, start) of the zone's runs that hold a
         // window: what the walk by size above finds first. The runs come
@@ -1900,14 +1938,14 @@ impl Arena {
         // or below it), found with the same search as those after it.
         let past = self.runs.lower_bound(&(zone.start + 1));
         let from = self.runs.pos_before(past).unwrap_or(past);
-        let mut best: Option<(usize, usize)> = None;
-        self.runs.scan_at(from, |roff, &rlen| {
+        let mut best: Option<(usize, usize, Pos)> = None;
+        self.runs.scan_places_at(from, |past, roff, &rlen| {
             if roff >= zone.end {
                 return Break(());
             }
-            if rlen >= len && best.is_none_or(|(bl, _)| rlen < bl) {
+            if rlen >= len && best.is_none_or(|(bl, _, _)| rlen < bl) {
                 if let Some(off) = fits(rlen, roff) {
-                    best = Some((rlen, off));
+                    best = Some((rlen, off, past));
                     if rlen == len {
                         return Break(());
                     }
@@ -1915,7 +1953,7 @@ impl Arena {
             }
             Continue(())
         });
-        best.map(|(_, off)| off)
+        best.map(|(_, off, past)| (off, RunAt { run: Some(past) }))
     }
 
     /// The runs that may overlap `zone`, by address: the one holding its

@@ -528,6 +528,32 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
         None
     }
 
+    /// [`scan_at`](Self::scan_at) where `f` is also given the place just
+    /// past each entry: a scan that settles on an entry before the one it
+    /// stops at hands that entry's place on, and it is then rewritten with
+    /// no search.
+    #[inline]
+    pub fn scan_places_at<R>(
+        &self,
+        pos: Pos,
+        mut f: impl FnMut(Pos, K, &V) -> std::ops::ControlFlow<R>,
+    ) -> Option<R> {
+        let Pos { c, mut i } = pos;
+        for (d, chunk) in self.chunks.get(c..).unwrap_or_default().iter().enumerate() {
+            for (j, e) in chunk.get(i..).unwrap_or_default().iter().enumerate() {
+                let past = Pos {
+                    c: c + d,
+                    i: i + j + 1,
+                };
+                if let std::ops::ControlFlow::Break(r) = f(past, e.0, &e.1) {
+                    return Some(r);
+                }
+            }
+            i = 0;
+        }
+        None
+    }
+
     /// The entries with keys in `[lo, hi)`, in key order.
     pub fn range(&self, lo: K, hi: K) -> impl Iterator<Item = (K, &V)> + '_ {
         self.iter_from(&lo).take_while(move |e| e.0 < hi)
