@@ -1168,18 +1168,6 @@ impl Arena {
 
     // ----- free ranges -----
 
-    fn insert_raw(&mut self, off: usize, range: FreeRange) {
-        debug_assert!(range.len > 0);
-        self.free.insert(off, range);
-        self.index_pending(range.guard);
-    }
-
-    fn remove_raw(&mut self, off: usize) -> FreeRange {
-        let r = self.free.remove(&off).expect("free range exists");
-        self.unindex_pending(r.guard);
-        r
-    }
-
     /// A range took `guard`.
     #[inline]
     fn index_pending(&mut self, guard: Guard) {
@@ -1653,39 +1641,45 @@ impl Arena {
                 return;
             }
         }
-        let start = self.free.last_le(&off).map_or(off, |(o, _)| o);
-        let overlapping: Vec<usize> = self
-            .free
-            .range(start, end)
-            .filter(|(o, r)| o + r.len > off)
-            .map(|(o, _)| o)
-            .collect();
+        self.take_across(pos, off, end);
+        self.add_users(off, len);
+    }
+
+    /// [`take_with`](Self::take_with) of `[off, end)` over several free
+    /// ranges (their guards could not merge), `pos` the place just past
+    /// the one holding `off`: each range is cut or removed at its place,
+    /// the next one found from there (no search), and the pending index
+    /// told of each range as if it were removed and what is left of it
+    /// inserted again.
+    #[inline(never)]
+    fn take_across(&mut self, pos: Pos, off: usize, end: usize) {
+        let mut at = self.free.pos_before(pos).unwrap_or(pos);
         let mut cursor = off;
-        for o in overlapping {
-            let r = self.remove_raw(o);
+        while let Some((o, &r)) = self.free.at(at).filter(|&(o, _)| o < end) {
+            if o + r.len <= off {
+                at = self.free.pos_after(at);
+                continue;
+            }
             assert!(o <= cursor, "taken bytes are not all free");
             cursor = cursor.max(o + r.len);
+            self.unindex_pending(r.guard);
             if o < off {
-                self.insert_raw(
-                    o,
-                    FreeRange {
-                        len: off - o,
-                        guard: r.guard,
-                    },
-                );
-            }
-            if o + r.len > end {
-                self.insert_raw(
-                    end,
-                    FreeRange {
-                        len: o + r.len - end,
-                        guard: r.guard,
-                    },
-                );
+                debug_assert!(o + r.len < end, "one range holding the block is cut in place");
+                // The range below the block keeps its start.
+                self.free.at_mut(at).expect("range").len = off - o;
+                self.index_pending(r.guard);
+                at = self.free.pos_after(at);
+            } else if o + r.len > end {
+                // The range past the block: what is left of it moves up
+                // in place, its end where it was.
+                self.free.rekey_at(at, end).expect("range").len = o + r.len - end;
+                self.index_pending(r.guard);
+                break;
+            } else {
+                at = self.free.remove_at_pos_then(at).expect("range").1;
             }
         }
         assert!(cursor >= end, "taken bytes are not all free");
-        self.add_users(off, len);
     }
 
     /// `give_back_settling` with nothing known complete (tests).

@@ -287,6 +287,31 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
         Some(self.remove_at(c, i))
     }
 
+    /// The place of the entry after the one at `pos`.
+    #[inline]
+    pub fn pos_after(&self, pos: Pos) -> Pos {
+        match self.entry_at(pos) {
+            Some((c, i)) => Pos { c, i: i + 1 },
+            None => pos,
+        }
+    }
+
+    /// Remove the entry at `pos` (no search); returns it and the place of
+    /// the entry that followed it. That place is found with no search
+    /// unless the entry's chunk became short enough to join a neighbour.
+    #[inline]
+    pub fn remove_at_pos_then(&mut self, pos: Pos) -> Option<((K, V), Pos)> {
+        let (c, i) = self.entry_at(pos)?;
+        let reshapes = self.chunks[c].len() <= CHUNK_MIN;
+        let e = self.remove_at(c, i);
+        let next = if reshapes {
+            self.lower_bound(&e.0)
+        } else {
+            Pos { c, i }
+        };
+        Some((e, next))
+    }
+
     /// Remove the entry before `pos` (no search); returns it.
     pub fn remove_before(&mut self, pos: Pos) -> Option<(K, V)> {
         let (c, i) = self.entry_before(pos)?;
@@ -728,6 +753,21 @@ mod tests {
                 let mine = map.remove_at_pos(pos);
                 let first = model.range(q..).next().map(|(&k, _)| k);
                 assert_eq!(mine, first.map(|k| (k, model.remove(&k).unwrap())));
+                continue;
+            } else if step % 7 == 3 && !grow {
+                // Removed at its place: the place handed back is that of
+                // the entry after it.
+                let first = model.range(q..).next().map(|(&k, _)| k);
+                let got = map.remove_at_pos_then(pos);
+                let want = first.map(|k| (k, model.remove(&k).unwrap()));
+                assert_eq!(got.map(|m| m.0), want);
+                if let Some((_, next)) = got {
+                    let after = want.and_then(|(k, _)| model.range(k..).next());
+                    assert_eq!(mine(map.at(next)), kv(after));
+                    let past = map.pos_after(next);
+                    let later = after.and_then(|(&k, _)| model.range(k + 1..).next());
+                    assert_eq!(mine(map.at(past)), kv(later));
+                }
                 continue;
             } else if step % 7 == 5 && !grow {
                 let mine = map.remove_before(pos);
