@@ -3401,6 +3401,52 @@ mod tests {
                             a.first_window(len, align, &zone, |_| true),
                             "every range usable: len {} align {} zone {:?}", len, align, zone
                         );
+                        // Now and then the window found is taken through
+                        // the place its search handed on, over however
+                        // many free ranges it covers: what is left of
+                        // them is the free bytes outside the window.
+                        let before: Vec<(usize, usize, Guard)> =
+                            a.free_ranges().map(|(o, r)| (o, r.len, r.guard)).collect();
+                        let free = |off: usize| {
+                            let mut at = off;
+                            for &(o, l, _) in &before {
+                                if o <= at && at < o + l {
+                                    at = o + l;
+                                }
+                            }
+                            at
+                        };
+                        let taken = match y % 5 {
+                            0 => a.find_fit_any_at(len, align, &zone).map(|(off, r)| {
+                                a.take_in_run(off, len, r);
+                                off
+                            }),
+                            1 => a
+                                .first_window_any_at(len, align, &zone)
+                                .filter(|&(off, _)| free(off) >= off + len)
+                                .map(|(off, w)| {
+                                    a.take_in_window(off, len, w);
+                                    off
+                                }),
+                            _ => None,
+                        };
+                        if let Some(off) = taken {
+                            let end = off + len;
+                            let mut want = Vec::new();
+                            for &(o, l, g) in &before {
+                                if o < off {
+                                    want.push((o, (o + l).min(off) - o, g));
+                                }
+                                if o + l > end {
+                                    let s = o.max(end);
+                                    want.push((s, o + l - s, g));
+                                }
+                            }
+                            let got: Vec<(usize, usize, Guard)> =
+                                a.free_ranges().map(|(o, r)| (o, r.len, r.guard)).collect();
+                            proptest::prop_assert_eq!(got, want, "take of {}..{}", off, end);
+                            live.push((off, len));
+                        }
                     }
                 }
                 a.check();
