@@ -1664,7 +1664,10 @@ impl Arena {
             cursor = cursor.max(o + r.len);
             self.unindex_pending(r.guard);
             if o < off {
-                debug_assert!(o + r.len < end, "one range holding the block is cut in place");
+                debug_assert!(
+                    o + r.len < end,
+                    "one range holding the block is cut in place"
+                );
                 // The range below the block keeps its start.
                 self.free.at_mut(at).expect("range").len = off - o;
                 self.index_pending(r.guard);
@@ -2521,16 +2524,13 @@ impl Arena {
             return self
                 .gaps
                 .spans
-                .scan_at(at, |o, &l| {
-                    if o > last {
-                        return Break(None);
-                    }
+                .scan_upto_at(at, &last, |o, &l| {
                     match (l >= len).then(|| in_span(o, l)).flatten() {
-                        Some(s) => Break(Some(s)),
+                        Some(s) => Break(s),
                         None => Continue(()),
                     }
                 })
-                .and_then(|(s, past)| Some((s?, Some(past))));
+                .map(|(s, past)| (s, Some(past)));
         }
         // ...else through the tree.
         let page = self.page;

@@ -553,6 +553,40 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
         None
     }
 
+    /// [`scan_at`](Self::scan_at) over the entries with keys at most
+    /// `last` alone: each chunk's entries past `last` are cut off before
+    /// its loop (none where its last key is at most `last`), so that `f`
+    /// need not test the key of each entry. `None` where `f` said
+    /// `Break` to none of them.
+    #[inline]
+    pub fn scan_upto_at<R>(
+        &self,
+        pos: Pos,
+        last: &K,
+        mut f: impl FnMut(K, &V) -> std::ops::ControlFlow<R>,
+    ) -> Option<(R, Pos)> {
+        let Pos { c, mut i } = pos;
+        for (d, chunk) in self.chunks.get(c..).unwrap_or_default().iter().enumerate() {
+            let n = match chunk.last() {
+                Some(e) if e.0 <= *last => chunk.len(),
+                _ => chunk.partition_point(|e| e.0 <= *last),
+            };
+            let mut k = i;
+            while k < n {
+                let e = &chunk[k];
+                if let std::ops::ControlFlow::Break(r) = f(e.0, &e.1) {
+                    return Some((r, Pos { c: c + d, i: k + 1 }));
+                }
+                k += 1;
+            }
+            if n < chunk.len() {
+                return None;
+            }
+            i = 0;
+        }
+        None
+    }
+
     /// [`scan_at`](Self::scan_at) where `f` is also given the place just
     /// past each entry: a scan that settles on an entry before the one it
     /// stops at hands that entry's place on, and it is then rewritten with
@@ -872,6 +906,32 @@ mod tests {
                     let next = model.range(k + 1..).next();
                     assert_eq!(map.at(past).map(|(a, &w)| (a, w)), kv(next));
                 }
+                // The same over the keys up to a bound alone: the scan
+                // stops at the bound, and each place handed to `f` lies
+                // just past its entry.
+                let last = q + (rnd() % 400) as u32;
+                let upto = map.scan_upto_at(map.lower_bound(&q), &last, |k, &v| {
+                    if v % 3 == 0 {
+                        std::ops::ControlFlow::Break((k, v))
+                    } else {
+                        std::ops::ControlFlow::Continue(())
+                    }
+                });
+                let want_upto = model.range(q..=last).find(|(_, &v)| v % 3 == 0);
+                assert_eq!(upto.map(|u| u.0), kv(want_upto));
+                if let Some(((k, v), past)) = upto {
+                    assert_eq!(map.before(past).map(|(b, &w)| (b, w)), Some((k, v)));
+                }
+                let mut places = Vec::new();
+                let none: Option<()> = map.scan_places_at(map.lower_bound(&q), |p, k, _| {
+                    places.push((k, map.before(p).map(|(b, _)| b)));
+                    std::ops::ControlFlow::Continue(())
+                });
+                assert!(none.is_none());
+                assert!(places
+                    .iter()
+                    .copied()
+                    .eq(model.range(q..).map(|(&k, _)| (k, Some(k)))));
                 assert!(seen.iter().copied().eq(model
                     .range(q..)
                     .map(|(&k, _)| k)

@@ -1247,7 +1247,9 @@ pub(crate) fn fit(
     }
     let off = s
         .arena
-        .find_fit(len, s.align(len), &zone, |g| s.classify(g, me, clock, reuse))?
+        .find_fit(len, s.align(len), &zone, |g| {
+            s.classify(g, me, clock, reuse)
+        })?
         .0;
     st.arena.take(off, len);
     Some(off)
