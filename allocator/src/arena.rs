@@ -278,6 +278,14 @@ pub(crate) struct Window {
     span: Option<Pos>,
 }
 
+/// Where a best-fit run was found (see [`Arena::find_fit_any_at`]): the
+/// place in the runs just past it, where it was at hand. Good until the
+/// arena next changes; one used later may panic.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RunAt {
+    run: Option<Pos>,
+}
+
 /// The maximal spans of the address space that no block uses (free ranges
 /// and holes together), with a max-tree over pages once there are many of
 /// them: the leaf of page `p` holds the length of the longest span
@@ -1251,18 +1259,6 @@ impl Arena {
 
     // ----- free ranges -----
 
-    fn insert_raw(&mut self, off: usize, range: FreeRange) {
-        debug_assert!(range.len > 0);
-        self.free.insert(off, range);
-        self.index_pending(range.guard);
-    }
-
-    fn remove_raw(&mut self, off: usize) -> FreeRange {
-        let r = self.free.remove(&off).expect("free range exists");
-        self.unindex_pending(r.guard);
-        r
-    }
-
     /// A range took `guard`.
     #[inline]
     fn index_pending(&mut self, guard: Guard) {
@@ -1366,18 +1362,27 @@ impl Arena {
     /// (inside the best-fit regions).
     #[inline(always)]
     fn run_remove(&mut self, off: usize, len: usize) {
+        self.run_remove_at(off, len, None);
+    }
+
+    /// [`run_remove`](Self::run_remove); `run`, where known, the place just
+    /// past the run holding `off` (it is then not searched for).
+    #[inline(always)]
+    fn run_remove_at(&mut self, off: usize, len: usize, run: Option<Pos>) {
         if !self.outside_fit_regions(off, len) {
-            self.run_remove_regions(off, len);
+            self.run_remove_regions(off, len, run);
         }
     }
 
     /// [`run_remove`](Self::run_remove) past its quick test.
-    fn run_remove_regions(&mut self, off: usize, len: usize) {
+    fn run_remove_regions(&mut self, off: usize, len: usize, run: Option<Pos>) {
         for i in 0..self.fit_regions.len() {
             let r = &self.fit_regions[i];
             let (lo, hi) = (off.max(r.start), (off + len).min(r.end));
             if lo < hi {
-                self.run_remove_in(lo, hi - lo);
+                // The place handed in is that of the run holding `off`,
+                // in its region only.
+                self.run_remove_in(lo, hi - lo, run.filter(|_| lo == off));
             }
         }
     }
@@ -1431,9 +1436,9 @@ impl Arena {
         }
     }
 
-    fn run_remove_in(&mut self, off: usize, len: usize) {
+    fn run_remove_in(&mut self, off: usize, len: usize, run: Option<Pos>) {
         // The run holding `off` is the one before the first key past it.
-        let pos = self.runs.lower_bound(&(off + 1));
+        let pos = run.unwrap_or_else(|| self.runs.lower_bound(&(off + 1)));
         let (ro, &rl) = self.runs.before(pos).expect("removed bytes lie in a run");
         let end = off + len;
         assert!(ro + rl >= end, "removed bytes lie in a run");
@@ -1732,7 +1737,14 @@ impl Arena {
     /// Hand out `[off, off+len)`, which must be covered by free ranges
     /// (several adjacent ones when their guards could not merge).
     pub fn take(&mut self, off: usize, len: usize) {
-        self.take_with(off, len, None);
+        self.take_with(off, len, None, None);
+    }
+
+    /// [`take`](Self::take) of a window that
+    /// [`find_fit_any_at`](Self::find_fit_any_at) just found, with the
+    /// arena unchanged since: its run is not searched for again.
+    pub fn take_in_run(&mut self, off: usize, len: usize, r: RunAt) {
+        self.take_with(off, len, None, r.run);
     }
 
     /// [`take`](Self::take) of a window that
@@ -1740,15 +1752,16 @@ impl Arena {
     /// [`first_window_any_at`](Self::first_window_any_at) just found, with
     /// the arena unchanged since: its span is not searched for again.
     pub fn take_in_window(&mut self, off: usize, len: usize, w: Window) {
-        self.take_with(off, len, w.span);
+        self.take_with(off, len, w.span, None);
     }
 
     /// [`take`](Self::take); `span`, where known, the place in the gaps
-    /// just past the span that holds the bytes.
+    /// just past the span that holds the bytes, and `run` the place in the
+    /// runs just past the run that holds them.
     #[inline]
-    fn take_with(&mut self, off: usize, len: usize, span: Option<Pos>) {
+    fn take_with(&mut self, off: usize, len: usize, span: Option<Pos>, run: Option<Pos>) {
         let end = off + len;
-        self.run_remove(off, len);
+        self.run_remove_at(off, len, run);
         self.gaps.occupy(off, len, span);
         // Usually one free range covers the block: cut it in place. It is
         // the one before the first key past `off`.
@@ -1781,39 +1794,48 @@ impl Arena {
                 return;
             }
         }
-        let start = self.free.last_le(&off).map_or(off, |(o, _)| o);
-        let overlapping: Vec<usize> = self
-            .free
-            .range(start, end)
-            .filter(|(o, r)| o + r.len > off)
-            .map(|(o, _)| o)
-            .collect();
+        self.take_across(pos, off, end);
+        self.add_users(off, len);
+    }
+
+    /// [`take_with`](Self::take_with) of `[off, end)` over several free
+    /// ranges (their guards could not merge), `pos` the place just past
+    /// the one holding `off`: each range is cut or removed at its place,
+    /// the next one found from there (no search), and the pending index
+    /// told of each range as if it were removed and what is left of it
+    /// inserted again.
+    #[inline(never)]
+    fn take_across(&mut self, pos: Pos, off: usize, end: usize) {
+        let mut at = self.free.pos_before(pos).unwrap_or(pos);
         let mut cursor = off;
-        for o in overlapping {
-            let r = self.remove_raw(o);
+        while let Some((o, &r)) = self.free.at(at).filter(|&(o, _)| o < end) {
+            if o + r.len <= off {
+                at = self.free.pos_after(at);
+                continue;
+            }
             assert!(o <= cursor, "taken bytes are not all free");
             cursor = cursor.max(o + r.len);
+            self.unindex_pending(r.guard);
             if o < off {
-                self.insert_raw(
-                    o,
-                    FreeRange {
-                        len: off - o,
-                        guard: r.guard,
-                    },
+                debug_assert!(
+                    o + r.len < end,
+                    "one range holding the block is cut in place"
                 );
-            }
-            if o + r.len > end {
-                self.insert_raw(
-                    end,
-                    FreeRange {
-                        len: o + r.len - end,
-                        guard: r.guard,
-                    },
-                );
+                // The range below the block keeps its start.
+                self.free.at_mut(at).expect("range").len = off - o;
+                self.index_pending(r.guard);
+                at = self.free.pos_after(at);
+            } else if o + r.len > end {
+                // The range past the block: what is left of it moves up
+                // in place, its end where it was.
+                self.free.rekey_at(at, end).expect("range").len = o + r.len - end;
+                self.index_pending(r.guard);
+                break;
+            } else {
+                at = self.free.remove_at_pos_then(at).expect("range").1;
             }
         }
         assert!(cursor >= end, "taken bytes are not all free");
-        self.add_users(off, len);
     }
 
     /// `give_back_settling` with nothing known complete (tests).
@@ -2027,12 +2049,24 @@ impl Arena {
     /// range (class 0 everywhere): the smallest run that holds an aligned
     /// window in `zone`, at its lowest aligned start; the ranges inside the
     /// runs are not looked at.
+    #[cfg(test)]
     pub fn find_fit_any(
         &self,
         len: usize,
         align: usize,
         zone: &std::ops::Range<usize>,
     ) -> Option<usize> {
+        self.find_fit_any_at(len, align, zone).map(|f| f.0)
+    }
+
+    /// `find_fit_any` (kept for the tests), with where the run found lies,
+    /// for [`take_in_run`](Self::take_in_run).
+    pub fn find_fit_any_at(
+        &self,
+        len: usize,
+        align: usize,
+        zone: &std::ops::Range<usize>,
+    ) -> Option<(usize, RunAt)> {
         let fits = |rlen: usize, roff: usize| {
             let (lo, hi) = (roff.max(zone.start), (roff + rlen).min(zone.end));
             let off = align_up(lo, align);
@@ -2046,7 +2080,8 @@ impl Arena {
                 .find_map(|(k, _)| {
                     let (rlen, roff) = from_size_key(k);
                     fits(rlen, roff)
-                });
+                })
+                .map(|off| (off, RunAt { run: None }));
         }
         // The least (length, start) of the zone's runs that hold a
         // window: what the walk by size above finds first. The runs come
@@ -2058,14 +2093,14 @@ impl Arena {
         // or below it), found with the same search as those after it.
         let past = self.runs.lower_bound(&(zone.start + 1));
         let from = self.runs.pos_before(past).unwrap_or(past);
-        let mut best: Option<(usize, usize)> = None;
-        self.runs.scan_at(from, |roff, &rlen| {
+        let mut best: Option<(usize, usize, Pos)> = None;
+        self.runs.scan_past_places_at(from, |past, roff, &rlen| {
             if roff >= zone.end {
                 return Break(());
             }
-            if rlen >= len && best.is_none_or(|(bl, _)| rlen < bl) {
+            if rlen >= len && best.is_none_or(|(bl, _, _)| rlen < bl) {
                 if let Some(off) = fits(rlen, roff) {
-                    best = Some((rlen, off));
+                    best = Some((rlen, off, past));
                     if rlen == len {
                         return Break(());
                     }
@@ -2073,7 +2108,7 @@ impl Arena {
             }
             Continue(())
         });
-        best.map(|(_, off)| off)
+        best.map(|(_, off, past)| (off, RunAt { run: Some(past) }))
     }
 
     /// The runs that may overlap `zone`, by address: the one holding its
@@ -2660,16 +2695,13 @@ impl Arena {
             return self
                 .gaps
                 .spans
-                .scan_at(at, |o, &l| {
-                    if o > last {
-                        return Break(None);
-                    }
+                .scan_upto_at(at, &last, |o, &l| {
                     match (l >= len).then(|| in_span(o, l)).flatten() {
-                        Some(s) => Break(Some(s)),
+                        Some(s) => Break(s),
                         None => Continue(()),
                     }
                 })
-                .and_then(|(s, past)| Some((s?, Some(past))));
+                .map(|(s, past)| (s, Some(past)));
         }
         // ...else through the tree.
         let page = self.page;
@@ -3546,6 +3578,52 @@ mod tests {
                             a.first_window(len, align, &zone, |_| true),
                             "every range usable: len {} align {} zone {:?}", len, align, zone
                         );
+                        // Now and then the window found is taken through
+                        // the place its search handed on, over however
+                        // many free ranges it covers: what is left of
+                        // them is the free bytes outside the window.
+                        let before: Vec<(usize, usize, Guard)> =
+                            a.free_ranges().map(|(o, r)| (o, r.len, r.guard)).collect();
+                        let free = |off: usize| {
+                            let mut at = off;
+                            for &(o, l, _) in &before {
+                                if o <= at && at < o + l {
+                                    at = o + l;
+                                }
+                            }
+                            at
+                        };
+                        let taken = match y % 5 {
+                            0 => a.find_fit_any_at(len, align, &zone).map(|(off, r)| {
+                                a.take_in_run(off, len, r);
+                                off
+                            }),
+                            1 => a
+                                .first_window_any_at(len, align, &zone)
+                                .filter(|&(off, _)| free(off) >= off + len)
+                                .map(|(off, w)| {
+                                    a.take_in_window(off, len, w);
+                                    off
+                                }),
+                            _ => None,
+                        };
+                        if let Some(off) = taken {
+                            let end = off + len;
+                            let mut want = Vec::new();
+                            for &(o, l, g) in &before {
+                                if o < off {
+                                    want.push((o, (o + l).min(off) - o, g));
+                                }
+                                if o + l > end {
+                                    let s = o.max(end);
+                                    want.push((s, o + l - s, g));
+                                }
+                            }
+                            let got: Vec<(usize, usize, Guard)> =
+                                a.free_ranges().map(|(o, r)| (o, r.len, r.guard)).collect();
+                            proptest::prop_assert_eq!(got, want, "take of {}..{}", off, end);
+                            live.push((off, len));
+                        }
                     }
                 }
                 a.check();

@@ -337,6 +337,31 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
         Some(self.remove_at(c, i))
     }
 
+    /// The place of the entry after the one at `pos`.
+    #[inline]
+    pub fn pos_after(&self, pos: Pos) -> Pos {
+        match self.entry_at(pos) {
+            Some((c, i)) => Pos { c, i: i + 1 },
+            None => pos,
+        }
+    }
+
+    /// Remove the entry at `pos` (no search); returns it and the place of
+    /// the entry that followed it. That place is found with no search
+    /// unless the entry's chunk became short enough to join a neighbour.
+    #[inline]
+    pub fn remove_at_pos_then(&mut self, pos: Pos) -> Option<((K, V), Pos)> {
+        let (c, i) = self.entry_at(pos)?;
+        let reshapes = self.chunks[c].len() <= CHUNK_MIN;
+        let e = self.remove_at(c, i);
+        let next = if reshapes {
+            self.lower_bound(&e.0)
+        } else {
+            Pos { c, i }
+        };
+        Some((e, next))
+    }
+
     /// Remove the entry before `pos` (no search); returns it.
     pub fn remove_before(&mut self, pos: Pos) -> Option<(K, V)> {
         let (c, i) = self.entry_before(pos)?;
@@ -609,6 +634,7 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
     /// it said and the place just past that entry: a loop over each
     /// chunk's slice (no per-entry chunk bounds check), with no search.
     #[inline]
+    #[allow(dead_code)]
     pub fn scan_at<R>(
         &self,
         pos: Pos,
@@ -623,6 +649,66 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
                         i: i + j + 1,
                     };
                     return Some((r, past));
+                }
+            }
+            i = 0;
+        }
+        None
+    }
+
+    /// [`scan_at`](Self::scan_at) over the entries with keys at most
+    /// `last` alone: each chunk's entries past `last` are cut off before
+    /// its loop (none where its last key is at most `last`), so that `f`
+    /// need not test the key of each entry. `None` where `f` said
+    /// `Break` to none of them.
+    #[inline]
+    pub fn scan_upto_at<R>(
+        &self,
+        pos: Pos,
+        last: &K,
+        mut f: impl FnMut(K, &V) -> std::ops::ControlFlow<R>,
+    ) -> Option<(R, Pos)> {
+        let Pos { c, mut i } = pos;
+        for (d, chunk) in self.chunks.get(c..).unwrap_or_default().iter().enumerate() {
+            let n = match chunk.last() {
+                Some(e) if e.0 <= *last => chunk.len(),
+                _ => chunk.partition_point(|e| e.0 <= *last),
+            };
+            let mut k = i;
+            while k < n {
+                let e = &chunk[k];
+                if let std::ops::ControlFlow::Break(r) = f(e.0, &e.1) {
+                    return Some((r, Pos { c: c + d, i: k + 1 }));
+                }
+                k += 1;
+            }
+            if n < chunk.len() {
+                return None;
+            }
+            i = 0;
+        }
+        None
+    }
+
+    /// [`scan_at`](Self::scan_at) where `f` is also given the place just
+    /// past each entry: a scan that settles on an entry before the one it
+    /// stops at hands that entry's place on, and it is then rewritten with
+    /// no search.
+    #[inline]
+    pub fn scan_past_places_at<R>(
+        &self,
+        pos: Pos,
+        mut f: impl FnMut(Pos, K, &V) -> std::ops::ControlFlow<R>,
+    ) -> Option<R> {
+        let Pos { c, mut i } = pos;
+        for (d, chunk) in self.chunks.get(c..).unwrap_or_default().iter().enumerate() {
+            for (j, e) in chunk.get(i..).unwrap_or_default().iter().enumerate() {
+                let past = Pos {
+                    c: c + d,
+                    i: i + j + 1,
+                };
+                if let std::ops::ControlFlow::Break(r) = f(past, e.0, &e.1) {
+                    return Some(r);
                 }
             }
             i = 0;
@@ -853,6 +939,21 @@ mod tests {
                 let first = model.range(q..).next().map(|(&k, _)| k);
                 assert_eq!(mine, first.map(|k| (k, model.remove(&k).unwrap())));
                 continue;
+            } else if step % 7 == 3 && !grow {
+                // Removed at its place: the place handed back is that of
+                // the entry after it.
+                let first = model.range(q..).next().map(|(&k, _)| k);
+                let got = map.remove_at_pos_then(pos);
+                let want = first.map(|k| (k, model.remove(&k).unwrap()));
+                assert_eq!(got.map(|m| m.0), want);
+                if let Some((_, next)) = got {
+                    let after = want.and_then(|(k, _)| model.range(k..).next());
+                    assert_eq!(mine(map.at(next)), kv(after));
+                    let past = map.pos_after(next);
+                    let later = after.and_then(|(&k, _)| model.range(k + 1..).next());
+                    assert_eq!(mine(map.at(past)), kv(later));
+                }
+                continue;
             } else if step % 7 == 5 && !grow {
                 let mine = map.remove_before(pos);
                 let last = model.range(..q).next_back().map(|(&k, _)| k);
@@ -956,6 +1057,32 @@ mod tests {
                     let next = model.range(k + 1..).next();
                     assert_eq!(map.at(past).map(|(a, &w)| (a, w)), kv(next));
                 }
+                // The same over the keys up to a bound alone: the scan
+                // stops at the bound, and each place handed to `f` lies
+                // just past its entry.
+                let last = q + (rnd() % 400) as u32;
+                let upto = map.scan_upto_at(map.lower_bound(&q), &last, |k, &v| {
+                    if v % 3 == 0 {
+                        std::ops::ControlFlow::Break((k, v))
+                    } else {
+                        std::ops::ControlFlow::Continue(())
+                    }
+                });
+                let want_upto = model.range(q..=last).find(|(_, &v)| v % 3 == 0);
+                assert_eq!(upto.map(|u| u.0), kv(want_upto));
+                if let Some(((k, v), past)) = upto {
+                    assert_eq!(map.before(past).map(|(b, &w)| (b, w)), Some((k, v)));
+                }
+                let mut places = Vec::new();
+                let none: Option<()> = map.scan_past_places_at(map.lower_bound(&q), |p, k, _| {
+                    places.push((k, map.before(p).map(|(b, _)| b)));
+                    std::ops::ControlFlow::Continue(())
+                });
+                assert!(none.is_none());
+                assert!(places
+                    .iter()
+                    .copied()
+                    .eq(model.range(q..).map(|(&k, _)| (k, Some(k)))));
                 assert!(seen.iter().copied().eq(model
                     .range(q..)
                     .map(|(&k, _)| k)

@@ -1238,19 +1238,19 @@ pub(crate) fn fit(
         st.arena.take_in_window(off, len, at);
         return Some(off);
     }
-    let off = {
-        let s: &ArenaState = st;
-        if s.arena.pending_only_of(me) {
-            // Every free range is usable (see `first_window_for`).
-            s.arena.find_fit_any(len, s.align(len), &zone)?
-        } else {
-            s.arena
-                .find_fit(len, s.align(len), &zone, |g| {
-                    s.classify(g, me, clock, reuse)
-                })?
-                .0
-        }
-    };
+    let s: &ArenaState = st;
+    if s.arena.pending_only_of(me) {
+        // Every free range is usable (see `first_window_for`).
+        let (off, at) = s.arena.find_fit_any_at(len, s.align(len), &zone)?;
+        st.arena.take_in_run(off, len, at);
+        return Some(off);
+    }
+    let off = s
+        .arena
+        .find_fit(len, s.align(len), &zone, |g| {
+            s.classify(g, me, clock, reuse)
+        })?
+        .0;
     st.arena.take(off, len);
     Some(off)
 }
