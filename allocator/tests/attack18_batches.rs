@@ -1,0 +1,260 @@
+//! Batches of frees on one stream with new epochs between them, over
+//! hundreds of small free ranges (the free map's chunks hold 32 entries),
+//! so that spans given back straddle chunk bounds and meet ranges of
+//! other epochs of their stream; takes of several pages over runs of
+//! small free ranges under different guards; `trim_to`, release
+//! thresholds and single-stream synchronizations between phases.
+//!
+//! Checked after every operation against a model of the live blocks: no
+//! two live blocks overlap; `used_current` is the sum of the live sizes;
+//! reserved bytes never below used nor past the cap. Words of a block are
+//! checked before many of its frees, and of every live block at each
+//! phase's end. After each phase's synchronize, a request of one page
+//! less than the untouched pages succeeds; at the end the whole cap.
+//!
+//! Work is bounded by operation counts; seeds are fixed.
+mod attack18_support;
+mod common;
+
+use attack18_support::*;
+
+const VA: u64 = 256 << 20;
+
+#[test]
+fn batches_small_no_cache() {
+    sweep(
+        Setup {
+            label: "batches-small",
+            cfg: capped(VA, 8, 0, reuse(true, true, false)),
+            cap_pages: 8,
+            streams: 5,
+            sizes: Sizes::Small,
+            phases: 6,
+            steps: 400,
+            gates: false,
+            spare_check: true,
+        },
+        1..=5,
+    );
+}
+
+#[test]
+fn batches_small_gated() {
+    sweep(
+        Setup {
+            label: "batches-gated",
+            cfg: capped(VA, 8, 0, reuse(true, true, false)),
+            cap_pages: 8,
+            streams: 6,
+            sizes: Sizes::Small,
+            phases: 6,
+            steps: 400,
+            gates: true,
+            spare_check: true,
+        },
+        11..=15,
+    );
+}
+
+#[test]
+fn batches_mixed_capped() {
+    let ooms = sweep(
+        Setup {
+            label: "batches-mixed",
+            cfg: capped(VA, 12, 0, reuse(true, true, false)),
+            cap_pages: 12,
+            streams: 4,
+            sizes: Sizes::Mixed(4),
+            phases: 6,
+            steps: 400,
+            gates: false,
+            spare_check: true,
+        },
+        21..=25,
+    );
+    assert!(ooms > 0, "the cap was never reached");
+}
+
+/// Hundreds of same-stream frees cached on stream A, several epochs
+/// apart (pool events between them), their neighbours freed on B or kept
+/// live, then a request A's cache cannot answer: the cache is flushed in
+/// one batch of hundreds of spans into a free map of hundreds of ranges
+/// (B's, A's older ones, completed ones), then requests of several pages
+/// on A and on C (ordered after A and B) take over the runs left.
+fn flush_round(seed: u64, sync_before: bool, cap: usize) {
+    use common::Rng;
+    use std::sync::Arc;
+    let dev = Arc::new(common::host_with_capacity(cap * PAGE + 64 * MIB));
+    let pool = tidepool::MemPool::new(
+        dev.clone(),
+        capped(VA, cap, 256 * MIB, reuse(true, true, false)),
+    )
+    .expect("pool");
+    let s = common::streams(&*dev, 3);
+    let (a, b, c) = (s[0], s[1], s[2]);
+    let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    let mut live: Vec<Live> = Vec::new();
+    let mut kernels = Vec::new();
+    let mut tag = 0u32;
+    let alloc = |live: &mut Vec<Live>,
+                 kernels: &mut Vec<(String, std::sync::mpsc::Receiver<bool>)>,
+                 tag: &mut u32,
+                 len: usize,
+                 st,
+                 what: &str| {
+        match pool.alloc_async(len, st) {
+            Ok(x) => {
+                for l in live.iter() {
+                    assert!(
+                        !common::overlaps(x.ptr(), x.size(), l.a.ptr(), l.a.size()),
+                        "{what}: {len} B at {:#x} overlaps block {} ({} B at {:#x})",
+                        x.ptr(),
+                        l.tag,
+                        l.a.size(),
+                        l.a.ptr()
+                    );
+                }
+                *tag += 1;
+                let l = Live {
+                    a: x,
+                    tag: *tag,
+                    stream: st,
+                };
+                if let Some(k) = write_kernel(&dev, st, &l) {
+                    kernels.push((what.to_string(), k));
+                }
+                live.push(l);
+                true
+            }
+            Err(e) => {
+                assert!(e.is_out_of_memory(), "{what}: {len} B: {e}");
+                false
+            }
+        }
+    };
+    for round in 0..8 {
+        let what = format!("flush seed {seed} round {round}");
+        // Many small blocks on A, address order mostly following.
+        for _ in 0..rng.range(300, 700) {
+            let len = match rng.range(0, 3) {
+                0 => rng.range(1, 16) as usize * 512,
+                1 => rng.range(1, 16) as usize * 512 + 1,
+                _ => rng.range(1, 9000) as usize,
+            };
+            alloc(&mut live, &mut kernels, &mut tag, len, a, &what);
+        }
+        check_model(&pool, &live, cap, &what);
+        // Free most of A's blocks: on A (cached, epochs apart) or on B.
+        let mut i = 0;
+        while i < live.len() {
+            let r = rng.range(0, 9);
+            if live[i].stream != a || r < 2 {
+                i += 1;
+                continue;
+            }
+            let l = live.swap_remove(i);
+            let on = if r < 8 { a } else { b };
+            if rng.range(0, 4) == 0 {
+                pool.synchronize_stream(l.stream).unwrap();
+                check_now(&dev, &l, &what);
+            }
+            if on != l.stream {
+                let ev = pool.record_event(l.stream).unwrap();
+                pool.wait_event(on, &ev).unwrap();
+            }
+            pool.free_async(l.a, on).unwrap();
+            if rng.range(0, 5) == 0 {
+                drop(pool.record_event(a).unwrap());
+            }
+        }
+        check_model(&pool, &live, cap, &what);
+        if sync_before || round % 3 == 2 {
+            pool.synchronize_stream(b).unwrap();
+            if round % 2 == 0 {
+                pool.synchronize_stream(a).unwrap();
+            }
+        }
+        // A request A's cache cannot answer: its cache goes back in one
+        // batch; then takes of several pages over what is free.
+        for k in 0..6 {
+            let len = match k {
+                0 => 77 * KIB + round * 512 + 1,
+                1 => PAGE - 1,
+                2 => PAGE + 1,
+                3 => 2 * PAGE,
+                4 => 300 * KIB,
+                _ => PAGE / 2 + 3,
+            };
+            alloc(&mut live, &mut kernels, &mut tag, len, a, &what);
+            check_model(&pool, &live, cap, &what);
+        }
+        let ea = pool.record_event(a).unwrap();
+        let eb = pool.record_event(b).unwrap();
+        pool.wait_event(c, &ea).unwrap();
+        pool.wait_event(c, &eb).unwrap();
+        for k in 0..8 {
+            let len = (k + 1) * 256 * KIB + k;
+            alloc(&mut live, &mut kernels, &mut tag, len, c, &what);
+            check_model(&pool, &live, cap, &what);
+        }
+        // Keep the live set bounded: free C's and A's big blocks on C.
+        pool.synchronize().unwrap();
+        common::expect_kernels_mapped(&mut kernels);
+        for l in &live {
+            check_now(&dev, l, &what);
+        }
+        let mut j = 0;
+        while j < live.len() {
+            if live[j].a.size() >= 64 * KIB || rng.range(0, 2) == 0 {
+                let l = live.swap_remove(j);
+                let ev = pool.record_event(l.stream).unwrap();
+                pool.wait_event(c, &ev).unwrap();
+                pool.free_async(l.a, c).unwrap();
+            } else {
+                j += 1;
+            }
+        }
+        check_model(&pool, &live, cap, &what);
+        // After a synchronize, one page less than the untouched ones.
+        pool.synchronize().unwrap();
+        let spare = cap - touched(&live);
+        if spare >= 2 {
+            let len = (spare - 1) * PAGE;
+            assert!(
+                alloc(&mut live, &mut kernels, &mut tag, len, b, &what),
+                "{what}: {len} B with {spare} pages untouched, all complete ({:?})",
+                pool.stats()
+            );
+            let l = live.pop().unwrap();
+            pool.free_async(l.a, l.stream).unwrap();
+        }
+    }
+    pool.synchronize().unwrap();
+    common::expect_kernels_mapped(&mut kernels);
+    for l in live.drain(..) {
+        check_now(&dev, &l, "flush end");
+        pool.free_async(l.a, l.stream).unwrap();
+    }
+    pool.synchronize().unwrap();
+    let all = pool
+        .alloc_async(cap * PAGE, a)
+        .unwrap_or_else(|e| panic!("flush seed {seed}: the whole cap: {e} ({:?})", pool.stats()));
+    pool.free_async(all, a).unwrap();
+    pool.synchronize().unwrap();
+    pool.trim_to(0).unwrap();
+    assert_eq!(pool.stats().reserved_current, 0);
+}
+
+#[test]
+fn cache_flush_batches() {
+    for seed in 1..=4 {
+        flush_round(seed, false, 12);
+    }
+}
+
+#[test]
+fn cache_flush_batches_settled() {
+    for seed in 5..=8 {
+        flush_round(seed, true, 12);
+    }
+}
