@@ -49,3 +49,32 @@ fn pages_near_cap_gated() {
 fn pages_wide() {
     sweep(setup("pages-wide", 40, 12, false), 21..=23);
 }
+
+/// Units of several pages (a block of 4 MiB or more gets a unit of its
+/// own): stitching and rebinding over units and single pages.
+#[test]
+fn pages_units() {
+    let mut s = setup("pages-units", 32, 6, false);
+    s.cfg = s.cfg.with_max_unit_size(8 * MIB).with_unit_min_block(4 * MIB);
+    s.spare_check = false;
+    sweep(s, 31..=33);
+}
+
+/// Internal dependencies and a stream cache of 1 MiB, follow only.
+#[test]
+fn pages_internal_deps_cache() {
+    let mut s = setup("pages-internal", 16, 4, true);
+    s.cfg = capped(VA, 16, MIB, reuse(true, false, true));
+    sweep(s, 41..=43);
+}
+
+/// An address space a few pages wider than the cap: addresses are
+/// reused, blocks reach the zones' bounds. No spare check: the pages
+/// left untouched need not be one stretch of addresses.
+#[test]
+fn pages_tight_va() {
+    let mut s = setup("pages-tight-va", 16, 4, false);
+    s.cfg = capped((20 * PAGE) as u64, 16, 0, reuse(true, true, false));
+    s.spare_check = false;
+    sweep(s, 51..=53);
+}
