@@ -258,3 +258,130 @@ fn cache_flush_batches_settled() {
         flush_round(seed, true, 12);
     }
 }
+
+/// Blocks of one stream freed in many epochs, one set before a host
+/// synchronization of the stream (complete, and known so), the other
+/// after, behind a busy stream (pending), interleaved in address order:
+/// every range of the first set meets ranges of later epochs of its
+/// stream. The completed bytes must stay usable by another stream
+/// (opportunistic reuse): a request the size of the longest run of
+/// address-adjacent completed blocks succeeds within the cap, and lands
+/// on completed bytes only.
+fn epochs_meet(seed: u64, cache: usize) {
+    use common::Rng;
+    use std::sync::Arc;
+    let cap = 4;
+    let dev = Arc::new(common::host_with_capacity(cap * PAGE + 64 * MIB));
+    let pool = tidepool::MemPool::new(
+        dev.clone(),
+        capped(VA, cap, cache, reuse(false, true, false)),
+    )
+    .expect("pool");
+    let s = common::streams(&*dev, 2);
+    let (a, b) = (s[0], s[1]);
+    let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    let what = format!("epochs seed {seed} cache {cache}");
+    let bs = [32 * KIB, 64 * KIB, 16 * KIB][seed as usize % 3];
+    let mut blocks: Vec<tidepool::Allocation> = (0..cap * PAGE / bs)
+        .map(|i| {
+            pool.alloc_async(bs, a)
+                .unwrap_or_else(|e| panic!("{what}: block {i}: {e}"))
+        })
+        .collect();
+    blocks.sort_by_key(|x| x.ptr());
+    // Which set each block (by address) is in: runs of 1 to 12 blocks.
+    let mut first = Vec::new();
+    while first.len() < blocks.len() {
+        let set = rng.range(0, 1) == 0;
+        for _ in 0..rng.range(1, 12) {
+            first.push(set);
+        }
+    }
+    first.truncate(blocks.len());
+    // The longest run of address-adjacent blocks of the first set.
+    let (mut best, mut cur, mut prev_end) = (0usize, 0usize, u64::MAX);
+    for (x, &f) in blocks.iter().zip(&first) {
+        if f {
+            cur = if x.ptr() == prev_end {
+                cur + x.size()
+            } else {
+                x.size()
+            };
+            best = best.max(cur);
+            prev_end = x.ptr() + x.size() as u64;
+        } else {
+            prev_end = u64::MAX;
+        }
+    }
+    let mut order: Vec<usize> = (0..blocks.len()).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.range(0, i as u64) as usize);
+    }
+    let mut slots: Vec<Option<tidepool::Allocation>> = blocks.drain(..).map(Some).collect();
+    let mut done = Vec::new();
+    for &i in &order {
+        if first[i] {
+            let x = slots[i].take().unwrap();
+            done.push((x.ptr(), x.size()));
+            pool.free_async(x, a).unwrap();
+            if rng.range(0, 1) == 0 {
+                drop(pool.record_event(a).unwrap());
+            }
+        }
+    }
+    pool.synchronize_stream(a).unwrap();
+    let gate = common::Blocker::on(&*dev, a);
+    for &i in &order {
+        if let Some(x) = slots[i].take() {
+            pool.free_async(x, a).unwrap();
+            if rng.range(0, 1) == 0 {
+                drop(pool.record_event(a).unwrap());
+            }
+        }
+    }
+    assert_eq!(pool.stats().used_current, 0, "{what}");
+    if best > 0 {
+        let x = pool.alloc_async(best, b).unwrap_or_else(|e| {
+            panic!(
+                "{what}: {best} B of completed, adjacent blocks not reusable: {e} ({:?})",
+                pool.stats()
+            )
+        });
+        // Only completed bytes may be handed to `b`.
+        let (lo, hi) = (x.ptr(), x.ptr() + x.size() as u64);
+        let mut covered = 0u64;
+        for &(p, l) in &done {
+            let (p2, e2) = (p.max(lo), (p + l as u64).min(hi));
+            if p2 < e2 {
+                covered += e2 - p2;
+            }
+        }
+        assert_eq!(
+            covered,
+            x.size() as u64,
+            "{what}: {best} B at {lo:#x} handed to another stream over bytes still pending"
+        );
+        pool.free_async(x, b).unwrap();
+    }
+    drop(gate);
+    pool.synchronize().unwrap();
+    let all = pool
+        .alloc_async(cap * PAGE, b)
+        .unwrap_or_else(|e| panic!("{what}: the whole cap: {e}"));
+    pool.free_async(all, b).unwrap();
+    pool.synchronize().unwrap();
+}
+
+#[test]
+fn epochs_meet_no_cache() {
+    for seed in 1..=12 {
+        epochs_meet(seed, 0);
+    }
+}
+
+#[test]
+fn epochs_meet_cached() {
+    for seed in 1..=12 {
+        epochs_meet(seed, 256 * MIB);
+    }
+}

@@ -55,7 +55,10 @@ fn pages_wide() {
 #[test]
 fn pages_units() {
     let mut s = setup("pages-units", 32, 6, false);
-    s.cfg = s.cfg.with_max_unit_size(8 * MIB).with_unit_min_block(4 * MIB);
+    s.cfg = s
+        .cfg
+        .with_max_unit_size(8 * MIB)
+        .with_unit_min_block(4 * MIB);
     s.spare_check = false;
     sweep(s, 31..=33);
 }
