@@ -385,3 +385,157 @@ fn epochs_meet_cached() {
         epochs_meet(seed, 256 * MIB);
     }
 }
+
+/// [`epochs_meet`] with blocks of mixed lengths, a third set freed on
+/// another busy stream (its ranges stay apart from A's), and every run
+/// of address-adjacent completed blocks asked for at once, longest
+/// first: each must be served from completed bytes within the cap.
+fn epochs_meet_runs(seed: u64, cache: usize, cap: usize, grains: u64) {
+    use common::Rng;
+    use std::sync::Arc;
+    let dev = Arc::new(common::host_with_capacity(cap * PAGE + 64 * MIB));
+    let pool = tidepool::MemPool::new(
+        dev.clone(),
+        capped(VA, cap, cache, reuse(false, true, false)),
+    )
+    .expect("pool");
+    let s = common::streams(&*dev, 3);
+    let (a, b, c) = (s[0], s[1], s[2]);
+    let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    let what = format!("epoch runs seed {seed} cache {cache}");
+    let mut blocks = Vec::new();
+    while let Ok(x) = pool.alloc_async(rng.range(1, grains) as usize * 512, a) {
+        blocks.push(x);
+    }
+    blocks.sort_by_key(|x| x.ptr());
+    // 0: freed on A before the synchronization, 1: on A after, behind a
+    // busy stream, 2: on C, busy too.
+    let mut set = Vec::new();
+    while set.len() < blocks.len() {
+        let k = rng.range(0, 2);
+        for _ in 0..rng.range(1, 8) {
+            set.push(k);
+        }
+    }
+    set.truncate(blocks.len());
+    let mut runs = Vec::new();
+    let (mut cur, mut prev_end) = (0usize, u64::MAX);
+    for (x, &k) in blocks.iter().zip(&set) {
+        if k == 0 {
+            if x.ptr() != prev_end && cur > 0 {
+                runs.push(cur);
+                cur = 0;
+            }
+            cur += x.size();
+            prev_end = x.ptr() + x.size() as u64;
+        } else {
+            if cur > 0 {
+                runs.push(cur);
+            }
+            cur = 0;
+            prev_end = u64::MAX;
+        }
+    }
+    if cur > 0 {
+        runs.push(cur);
+    }
+    runs.sort_unstable_by(|x, y| y.cmp(x));
+    let mut order: Vec<usize> = (0..blocks.len()).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.range(0, i as u64) as usize);
+    }
+    let mut slots: Vec<Option<tidepool::Allocation>> = blocks.drain(..).map(Some).collect();
+    // The blocks freed while their stream is held busy.
+    let pending: Vec<(u64, usize)> = slots
+        .iter()
+        .zip(&set)
+        .filter(|&(_, &k)| k != 0)
+        .map(|(x, _)| {
+            let x = x.as_ref().unwrap();
+            (x.ptr(), x.size())
+        })
+        .collect();
+    for &i in &order {
+        if set[i] == 0 {
+            let x = slots[i].take().unwrap();
+            pool.free_async(x, a).unwrap();
+            if rng.range(0, 1) == 0 {
+                drop(pool.record_event(a).unwrap());
+            }
+        }
+    }
+    pool.synchronize_stream(a).unwrap();
+    let gates = [common::Blocker::on(&*dev, a), common::Blocker::on(&*dev, c)];
+    for &i in &order {
+        if let Some(x) = slots[i].take() {
+            let on = if set[i] == 1 { a } else { c };
+            if on != a {
+                let ev = pool.record_event(a).unwrap();
+                pool.wait_event(c, &ev).unwrap();
+            }
+            pool.free_async(x, on).unwrap();
+            if rng.range(0, 1) == 0 {
+                drop(pool.record_event(on).unwrap());
+            }
+        }
+    }
+    assert_eq!(pool.stats().used_current, 0, "{what}");
+    let mut got = Vec::new();
+    for (j, &len) in runs.iter().enumerate() {
+        let x = pool.alloc_async(len, b).unwrap_or_else(|e| {
+            panic!(
+                "{what}: run {j} of {len} B (runs {runs:?}) of completed blocks not reusable: {e} ({:?})",
+                pool.stats()
+            )
+        });
+        for &(p, l) in &pending {
+            assert!(
+                !common::overlaps(x.ptr(), x.size(), p, l),
+                "{what}: {len} B at {:#x} handed to another stream over a pending free ({l} B at {p:#x})",
+                x.ptr()
+            );
+        }
+        for y in &got {
+            let y: &tidepool::Allocation = y;
+            assert!(
+                !common::overlaps(x.ptr(), x.size(), y.ptr(), y.size()),
+                "{what}: overlap"
+            );
+        }
+        got.push(x);
+    }
+    for x in got {
+        pool.free_async(x, b).unwrap();
+    }
+    drop(gates);
+    pool.synchronize().unwrap();
+    let all = pool
+        .alloc_async(cap * PAGE, b)
+        .unwrap_or_else(|e| panic!("{what}: the whole cap: {e}"));
+    pool.free_async(all, b).unwrap();
+    pool.synchronize().unwrap();
+}
+
+#[test]
+fn epochs_meet_runs_no_cache() {
+    for seed in 1..=12 {
+        epochs_meet_runs(seed, 0, 4, 128);
+    }
+}
+
+#[test]
+fn epochs_meet_runs_cached() {
+    for seed in 1..=12 {
+        epochs_meet_runs(seed, 256 * MIB, 4, 128);
+    }
+}
+
+/// [`epochs_meet_runs`] over thousands of small blocks (ranges across
+/// many chunks of the free map).
+#[test]
+fn epochs_meet_runs_many_ranges() {
+    for seed in 31..=33 {
+        epochs_meet_runs(seed, 0, 8, 8);
+        epochs_meet_runs(seed, 256 * MIB, 8, 8);
+    }
+}
