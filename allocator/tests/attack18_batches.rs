@@ -390,7 +390,16 @@ fn epochs_meet_cached() {
 /// another busy stream (its ranges stay apart from A's), and every run
 /// of address-adjacent completed blocks asked for at once, longest
 /// first: each must be served from completed bytes within the cap.
-fn epochs_meet_runs(seed: u64, cache: usize, cap: usize, grains: u64) {
+#[allow(clippy::too_many_arguments)]
+fn epochs_meet_runs(
+    seed: u64,
+    cache: usize,
+    cap: usize,
+    base: usize,
+    grains: u64,
+    run_max: u64,
+    owed: bool,
+) {
     use common::Rng;
     use std::sync::Arc;
     let dev = Arc::new(common::host_with_capacity(cap * PAGE + 64 * MIB));
@@ -404,7 +413,7 @@ fn epochs_meet_runs(seed: u64, cache: usize, cap: usize, grains: u64) {
     let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     let what = format!("epoch runs seed {seed} cache {cache}");
     let mut blocks = Vec::new();
-    while let Ok(x) = pool.alloc_async(rng.range(1, grains) as usize * 512, a) {
+    while let Ok(x) = pool.alloc_async(base + rng.range(1, grains) as usize * 512, a) {
         blocks.push(x);
     }
     blocks.sort_by_key(|x| x.ptr());
@@ -413,7 +422,7 @@ fn epochs_meet_runs(seed: u64, cache: usize, cap: usize, grains: u64) {
     let mut set = Vec::new();
     while set.len() < blocks.len() {
         let k = rng.range(0, 2);
-        for _ in 0..rng.range(1, 8) {
+        for _ in 0..rng.range(1, run_max) {
             set.push(k);
         }
     }
@@ -482,12 +491,15 @@ fn epochs_meet_runs(seed: u64, cache: usize, cap: usize, grains: u64) {
     assert_eq!(pool.stats().used_current, 0, "{what}");
     let mut got = Vec::new();
     for (j, &len) in runs.iter().enumerate() {
-        let x = pool.alloc_async(len, b).unwrap_or_else(|e| {
-            panic!(
+        let x = match pool.alloc_async(len, b) {
+            Ok(x) => x,
+            // In the first-fit zone, not asserted (see the test).
+            Err(e) if !owed && e.is_out_of_memory() => continue,
+            Err(e) => panic!(
                 "{what}: run {j} of {len} B (runs {runs:?}) of completed blocks not reusable: {e} ({:?})",
                 pool.stats()
-            )
-        });
+            ),
+        };
         for &(p, l) in &pending {
             assert!(
                 !common::overlaps(x.ptr(), x.size(), p, l),
@@ -519,14 +531,14 @@ fn epochs_meet_runs(seed: u64, cache: usize, cap: usize, grains: u64) {
 #[test]
 fn epochs_meet_runs_no_cache() {
     for seed in 1..=12 {
-        epochs_meet_runs(seed, 0, 4, 128);
+        epochs_meet_runs(seed, 0, 4, 0, 128, 8, true);
     }
 }
 
 #[test]
 fn epochs_meet_runs_cached() {
     for seed in 1..=12 {
-        epochs_meet_runs(seed, 256 * MIB, 4, 128);
+        epochs_meet_runs(seed, 256 * MIB, 4, 0, 128, 8, true);
     }
 }
 
@@ -535,7 +547,21 @@ fn epochs_meet_runs_cached() {
 #[test]
 fn epochs_meet_runs_many_ranges() {
     for seed in 31..=33 {
-        epochs_meet_runs(seed, 0, 8, 8);
-        epochs_meet_runs(seed, 256 * MIB, 8, 8);
+        epochs_meet_runs(seed, 0, 8, 0, 8, 8, true);
+        epochs_meet_runs(seed, 256 * MIB, 8, 0, 8, 8, true);
+    }
+}
+
+/// [`epochs_meet_runs`] in the first-fit zone: blocks of 1 to 2 MiB.
+/// Only safety is asserted (nothing handed out over a pending free, no
+/// overlap): some runs of completed blocks are refused here (seed 41,
+/// a 3.7 MiB run after 17 others), at 90bf307 as at a4c0037, so not a
+/// change of the fast paths, and whether the pool owes them was not
+/// settled.
+#[test]
+fn epochs_meet_runs_first_fit() {
+    for seed in 41..=43 {
+        epochs_meet_runs(seed, 0, 120, MIB, 2048, 3, false);
+        epochs_meet_runs(seed, 256 * MIB, 120, MIB, 2048, 3, false);
     }
 }
