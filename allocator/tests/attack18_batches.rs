@@ -565,3 +565,100 @@ fn epochs_meet_runs_first_fit() {
         epochs_meet_runs(seed, 256 * MIB, 120, MIB, 2048, 3, false);
     }
 }
+
+/// Blocks of stream A cached in two epochs, each behind its own busy
+/// host task, alternating in address order, then flushed into the arena
+/// in one batch (a request A's cache cannot answer): touching blocks of
+/// the two epochs join into spans, which must wait for the later one.
+/// Once the first epoch completes (and the host waited for it), stream B
+/// asks for blocks of many lengths: none may land on a block freed in the
+/// second epoch, still pending.
+fn joined_spans_wait(seed: u64, grains: u64) {
+    use common::Rng;
+    use std::sync::Arc;
+    let cap = 6;
+    let dev = Arc::new(common::host_with_capacity(cap * PAGE + 64 * MIB));
+    let pool = tidepool::MemPool::new(
+        dev.clone(),
+        capped(VA, cap, 256 * MIB, reuse(true, true, false)),
+    )
+    .expect("pool");
+    let s = common::streams(&*dev, 2);
+    let (a, b) = (s[0], s[1]);
+    let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    let what = format!("joined seed {seed}");
+    let mut blocks = Vec::new();
+    for _ in 0..(cap * PAGE / 2) / (grains as usize * 256) {
+        blocks.push(
+            pool.alloc_async(rng.range(1, grains) as usize * 512, a)
+                .unwrap_or_else(|e| panic!("{what}: fill: {e}")),
+        );
+    }
+    blocks.sort_by_key(|x| x.ptr());
+    let later: Vec<bool> = (0..blocks.len()).map(|i| (i / 2 + i) % 2 == 1).collect();
+    let pending: Vec<(u64, usize)> = blocks
+        .iter()
+        .zip(&later)
+        .filter(|&(_, &l)| l)
+        .map(|(x, _)| (x.ptr(), x.size()))
+        .collect();
+    let g1 = common::Blocker::on(&*dev, a);
+    let mut slots: Vec<Option<tidepool::Allocation>> = blocks.into_iter().map(Some).collect();
+    for (i, x) in slots.iter_mut().enumerate() {
+        if !later[i] {
+            pool.free_async(x.take().unwrap(), a).unwrap();
+        }
+    }
+    let ev1 = pool.record_event(a).unwrap();
+    let g2 = common::Blocker::on(&*dev, a);
+    for x in slots.iter_mut() {
+        if let Some(x) = x.take() {
+            pool.free_async(x, a).unwrap();
+        }
+    }
+    // A request A's cache cannot answer: the cache goes to the arena.
+    let odd = pool
+        .alloc_async(123 * KIB + 1, a)
+        .unwrap_or_else(|e| panic!("{what}: flush: {e}"));
+    drop(g1);
+    pool.synchronize_event(&ev1).unwrap();
+    let mut got = Vec::new();
+    for k in 0..200 {
+        let len = match k % 3 {
+            0 => rng.range(1, grains) as usize * 512,
+            1 => rng.range(1, 2 * grains) as usize * 512,
+            _ => rng.range(1, 64 * KIB as u64) as usize,
+        };
+        let Ok(x) = pool.alloc_async(len, b) else {
+            continue;
+        };
+        for &(p, l) in &pending {
+            assert!(
+                !common::overlaps(x.ptr(), x.size(), p, l),
+                "{what}: {len} B at {:#x} handed to B over a free of the later epoch, still pending ({l} B at {p:#x})",
+                x.ptr()
+            );
+        }
+        got.push(x);
+    }
+    drop(g2);
+    pool.synchronize().unwrap();
+    for x in got {
+        pool.free_async(x, b).unwrap();
+    }
+    pool.free_async(odd, a).unwrap();
+    pool.synchronize().unwrap();
+    let all = pool
+        .alloc_async(cap * PAGE, b)
+        .unwrap_or_else(|e| panic!("{what}: the whole cap: {e}"));
+    pool.free_async(all, b).unwrap();
+    pool.synchronize().unwrap();
+}
+
+#[test]
+fn joined_spans_wait_for_the_later_epoch() {
+    for seed in 1..=6 {
+        joined_spans_wait(seed, 8);
+        joined_spans_wait(seed + 100, 128);
+    }
+}
