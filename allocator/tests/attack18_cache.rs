@@ -14,6 +14,7 @@
 //! less than the untouched pages succeeds; at the end the whole cap.
 //!
 //! Work is bounded by operation counts; seeds are fixed.
+mod attack17_support;
 mod attack18_support;
 mod common;
 

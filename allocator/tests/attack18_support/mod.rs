@@ -11,21 +11,18 @@
 use crate::common::{self, Rng};
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
-use tidepool::{Allocation, MemPool, PoolConfig, ReusePolicy};
+use tidepool::{MemPool, PoolConfig, ReusePolicy};
 use tidepool_sys::{HostDevice, Stream};
+
+/// The pieces the attack17 driver has already: the live-block model, the
+/// tag kernels, the page count and the pool configurations.
+pub use crate::attack17_support::{capped, reuse, touched, words_of, write_kernel, Live};
 
 pub const KIB: usize = 1 << 10;
 pub const MIB: usize = 1 << 20;
 pub const PAGE: usize = 2 * MIB;
 /// The stream cache's bound between small slots and long lengths.
 pub const SMALL_MAX: usize = 64 * KIB;
-
-pub struct Live {
-    pub a: Allocation,
-    pub tag: u32,
-    /// A stream ordered after every write to the block so far.
-    pub stream: Stream,
-}
 
 fn stride(size: usize) -> u64 {
     if size < 64 * KIB {
@@ -35,15 +32,6 @@ fn stride(size: usize) -> u64 {
     } else {
         64 * KIB as u64
     }
-}
-
-pub fn words_of(l: &Live) -> Vec<(usize, u32)> {
-    common::strided_words(l.a.ptr(), l.a.size(), l.tag, stride(l.a.size()), 12, true)
-}
-
-pub fn write_kernel(dev: &HostDevice, stream: Stream, l: &Live) -> Option<Receiver<bool>> {
-    (l.a.size() >= 4)
-        .then(|| common::write_words_at(dev, stream, l.a.ptr(), l.a.size() / 4 * 4, words_of(l)))
 }
 
 pub fn check_now(dev: &HostDevice, l: &Live, what: &str) {
@@ -116,17 +104,6 @@ pub fn len_of(rng: &mut Rng, sizes: Sizes) -> usize {
             }
         }
     }
-}
-
-pub fn touched(live: &[Live]) -> usize {
-    let mut t: Vec<u64> = live
-        .iter()
-        .filter(|l| l.a.size() > 0)
-        .flat_map(|l| common::pages_of(l.a.ptr(), l.a.size()))
-        .collect();
-    t.sort_unstable();
-    t.dedup();
-    t.len()
 }
 
 /// `used_current` is the sum of the live sizes, reserved bytes never
@@ -448,23 +425,6 @@ pub fn run(s: &Setup, seed: u64) -> u64 {
     drop(pool);
     assert_eq!(dev.live_mappings(), 0, "{what}");
     ooms
-}
-
-pub fn reuse(follow: bool, opportunistic: bool, internal: bool) -> ReusePolicy {
-    ReusePolicy {
-        follow_event_dependencies: follow,
-        opportunistic,
-        internal_dependencies: internal,
-        wait_for_pending_frees: false,
-    }
-}
-
-pub fn capped(va: u64, pages: usize, cache: usize, r: ReusePolicy) -> PoolConfig {
-    PoolConfig::default()
-        .with_va_size(va as usize)
-        .with_max_size((pages * PAGE) as u64)
-        .with_stream_cache_bytes(cache)
-        .with_reuse(r)
 }
 
 pub fn sweep(s: Setup, seeds: std::ops::RangeInclusive<u64>) -> u64 {
