@@ -1,23 +1,21 @@
 //! A sorted map for the arena's indexes: keys in order, in chunks of at
-//! most [`CHUNK`] entries, each a sorted array, with the first key of every
-//! chunk in an array of its own.
+//! most `N` entries ([`CHUNK`] unless a map sets it), each a sorted
+//! array, with the first key of every chunk in an array of its own.
 //!
 //! The arena asks mostly for neighbours: the entry at or before an
 //! address, the one after it, the entries of a short span. Here such a
 //! query is two binary searches over contiguous memory (the chunks' first
 //! keys, then one chunk), where `std`'s `BTreeMap::range` descends the tree
 //! once for each bound, and an insert or a remove moves at most a chunk's
-//! entries. A chunk that outgrows [`CHUNK`] splits in two; one that falls
+//! entries. A chunk that outgrows `N` splits in two; one that falls
 //! below a quarter of it joins a neighbour, so there are at most about
-//! `4 * len / CHUNK` chunks, and splitting or joining moves that many
-//! first keys (once every `CHUNK / 4` updates of a chunk at most).
+//! `4 * len / N` chunks, and splitting or joining moves that many first
+//! keys (once every `N / 4` updates of a chunk at most). Shorter chunks
+//! make an update move fewer entries, longer ones make a walk over many
+//! entries cross fewer chunks.
 
-/// Most entries of one chunk.
-const CHUNK: usize = 32;
-
-/// A chunk with fewer entries than this joins a neighbour where both fit
-/// in one chunk.
-const CHUNK_MIN: usize = CHUNK / 4;
+/// Most entries of one chunk, unless a map says otherwise (its `N`).
+pub(crate) const CHUNK: usize = 32;
 
 /// A place in an [`OrdMap`] found by [`OrdMap::lower_bound`]: valid until
 /// the map next changes.
@@ -32,14 +30,14 @@ pub(crate) struct Pos {
 pub(crate) type Around<'a, K, V> = (Pos, Option<&'a (K, V)>, Option<&'a (K, V)>);
 
 #[derive(Debug, Clone)]
-pub(crate) struct OrdMap<K, V> {
+pub(crate) struct OrdMap<K, V, const N: usize = CHUNK> {
     /// The first key of each chunk (chunks are never empty).
     firsts: Vec<K>,
     chunks: Vec<Vec<(K, V)>>,
     len: usize,
 }
 
-impl<K, V> Default for OrdMap<K, V> {
+impl<K, V, const N: usize> Default for OrdMap<K, V, N> {
     fn default() -> Self {
         OrdMap {
             firsts: Vec::new(),
@@ -49,7 +47,11 @@ impl<K, V> Default for OrdMap<K, V> {
     }
 }
 
-impl<K: Ord + Copy, V> OrdMap<K, V> {
+impl<K: Ord + Copy, V, const N: usize> OrdMap<K, V, N> {
+    /// A chunk with fewer entries than this joins a neighbour where both
+    /// fit in one chunk.
+    const MIN: usize = N / 4;
+
     pub fn new() -> Self {
         Self::default()
     }
@@ -106,7 +108,7 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
     /// Insert `v` under `k`; returns the value it replaces.
     pub fn insert(&mut self, k: K, v: V) -> Option<V> {
         let Some(c) = self.chunk_le(&k).or((!self.chunks.is_empty()).then_some(0)) else {
-            let mut chunk = Vec::with_capacity(CHUNK + 1);
+            let mut chunk = Vec::with_capacity(N + 1);
             chunk.push((k, v));
             self.firsts.push(k);
             self.chunks.push(chunk);
@@ -129,11 +131,11 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
     }
 
     /// Chunk `c`, past its size, splits in two. The test is inline: a
-    /// chunk splits once in `CHUNK / 2` inserts at most, and a call for
+    /// chunk splits once in `N / 2` inserts at most, and a call for
     /// the test alone cost every insert a frame.
     #[inline]
     fn split(&mut self, c: usize) {
-        if self.chunks[c].len() > CHUNK {
+        if self.chunks[c].len() > N {
             self.split_chunk(c);
         }
     }
@@ -142,8 +144,8 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
     #[cold]
     #[inline(never)]
     fn split_chunk(&mut self, c: usize) {
-        let mut upper = Vec::with_capacity(CHUNK + 1);
-        upper.extend(self.chunks[c].drain(CHUNK / 2..));
+        let mut upper = Vec::with_capacity(N + 1);
+        upper.extend(self.chunks[c].drain(N / 2..));
         self.firsts.insert(c + 1, upper[0].0);
         self.chunks.insert(c + 1, upper);
     }
@@ -352,7 +354,7 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
     #[inline]
     pub fn remove_at_pos_then(&mut self, pos: Pos) -> Option<((K, V), Pos)> {
         let (c, i) = self.entry_at(pos)?;
-        let reshapes = self.chunks[c].len() <= CHUNK_MIN;
+        let reshapes = self.chunks[c].len() <= Self::MIN;
         let e = self.remove_at(c, i);
         let next = if reshapes {
             self.lower_bound(&e.0)
@@ -404,7 +406,7 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
             if n > 0 && i == 0 {
                 self.firsts[c] = chunk[0].0;
             }
-            if n < CHUNK_MIN {
+            if n < Self::MIN {
                 self.shrunk(c);
             }
         } else {
@@ -470,7 +472,7 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
     #[inline(never)]
     fn first_entry(&mut self, k: K, v: V) {
         assert!(self.chunks.is_empty(), "an entry inserted at its place");
-        let mut chunk = Vec::with_capacity(CHUNK + 1);
+        let mut chunk = Vec::with_capacity(N + 1);
         chunk.push((k, v));
         self.firsts.push(k);
         self.chunks.push(chunk);
@@ -492,7 +494,7 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
         if n > 0 && i == 0 {
             self.firsts[c] = chunk[0].0;
         }
-        if n < CHUNK_MIN {
+        if n < Self::MIN {
             self.shrunk(c);
         }
         e
@@ -513,11 +515,11 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
     /// Chunk `c`, short, joins a neighbour where both fit in one chunk.
     fn join(&mut self, c: usize) {
         let n = self.chunks[c].len();
-        if c + 1 < self.chunks.len() && n + self.chunks[c + 1].len() <= CHUNK {
+        if c + 1 < self.chunks.len() && n + self.chunks[c + 1].len() <= N {
             let next = self.chunks.remove(c + 1);
             self.firsts.remove(c + 1);
             self.chunks[c].extend(next);
-        } else if c > 0 && n + self.chunks[c - 1].len() <= CHUNK {
+        } else if c > 0 && n + self.chunks[c - 1].len() <= N {
             let this = self.chunks.remove(c);
             self.firsts.remove(c);
             self.chunks[c - 1].extend(this);
@@ -586,7 +588,7 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
     }
 
     /// Every entry, in key order.
-    pub fn iter(&self) -> Iter<'_, K, V> {
+    pub fn iter(&self) -> Iter<'_, K, V, N> {
         Iter {
             map: self,
             c: 0,
@@ -595,7 +597,7 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
     }
 
     /// The entries with keys at least `k`, in key order.
-    pub fn iter_from(&self, k: &K) -> Iter<'_, K, V> {
+    pub fn iter_from(&self, k: &K) -> Iter<'_, K, V, N> {
         let (c, i) = match self.chunk_le(k) {
             None => (0, 0),
             Some(c) => (c, self.chunks[c].partition_point(|e| e.0 < *k)),
@@ -744,7 +746,7 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
     }
 
     /// The entries with keys below `k`, largest key first.
-    pub fn iter_rev_lt(&self, k: &K) -> RevIter<'_, K, V> {
+    pub fn iter_rev_lt(&self, k: &K) -> RevIter<'_, K, V, N> {
         match self.chunk_lt(k) {
             None => RevIter {
                 map: self,
@@ -761,13 +763,13 @@ impl<K: Ord + Copy, V> OrdMap<K, V> {
 }
 
 /// Entries in key order (see [`OrdMap::iter_from`]).
-pub(crate) struct Iter<'a, K, V> {
-    map: &'a OrdMap<K, V>,
+pub(crate) struct Iter<'a, K, V, const N: usize = CHUNK> {
+    map: &'a OrdMap<K, V, N>,
     c: usize,
     i: usize,
 }
 
-impl<'a, K: Copy, V> Iterator for Iter<'a, K, V> {
+impl<'a, K: Copy, V, const N: usize> Iterator for Iter<'a, K, V, N> {
     type Item = (K, &'a V);
 
     #[inline]
@@ -785,14 +787,14 @@ impl<'a, K: Copy, V> Iterator for Iter<'a, K, V> {
 }
 
 /// Entries in reverse key order (see [`OrdMap::iter_rev_lt`]).
-pub(crate) struct RevIter<'a, K, V> {
-    map: &'a OrdMap<K, V>,
+pub(crate) struct RevIter<'a, K, V, const N: usize = CHUNK> {
+    map: &'a OrdMap<K, V, N>,
     /// The chunk of the next entry, whose index is `i - 1` there.
     c: usize,
     i: usize,
 }
 
-impl<'a, K: Copy, V> Iterator for RevIter<'a, K, V> {
+impl<'a, K: Copy, V, const N: usize> Iterator for RevIter<'a, K, V, N> {
     type Item = (K, &'a V);
 
     #[inline]
@@ -812,7 +814,7 @@ impl<'a, K: Copy, V> Iterator for RevIter<'a, K, V> {
     }
 }
 
-impl OrdMap<usize, usize> {
+impl<const N: usize> OrdMap<usize, usize, N> {
     /// For a map of spans (start → length), where `[off, off + len)` would
     /// go: its position, the span ending exactly at `off` (start, length)
     /// and the length of the span starting exactly at `off + len`, the
@@ -846,21 +848,21 @@ impl OrdMap<usize, usize> {
     }
 }
 
-impl<K: Ord + Copy, V: PartialEq> PartialEq for OrdMap<K, V> {
+impl<K: Ord + Copy, V: PartialEq, const N: usize> PartialEq for OrdMap<K, V, N> {
     fn eq(&self, other: &Self) -> bool {
         self.len == other.len && self.iter().eq(other.iter())
     }
 }
 
 #[cfg(test)]
-impl<K: Ord + Copy, V> OrdMap<K, V> {
+impl<K: Ord + Copy, V, const N: usize> OrdMap<K, V, N> {
     /// Check the chunks' invariants (tests only).
     pub fn check(&self) {
         assert_eq!(self.firsts.len(), self.chunks.len());
         let mut n = 0;
         let mut prev: Option<K> = None;
         for (f, c) in self.firsts.iter().zip(&self.chunks) {
-            assert!(!c.is_empty() && c.len() <= CHUNK, "chunk size");
+            assert!(!c.is_empty() && c.len() <= N, "chunk size");
             assert!(*f == c[0].0, "first key");
             for e in c {
                 assert!(prev.is_none_or(|p| p < e.0), "keys in order");
@@ -879,7 +881,18 @@ mod tests {
 
     #[test]
     fn agrees_with_a_btree_map() {
-        let mut map: OrdMap<u32, u32> = OrdMap::new();
+        agrees_with_a_btree_map_in_chunks_of::<CHUNK>();
+    }
+
+    /// The same with chunks of the free map's size, where chunks split
+    /// and join twice as often.
+    #[test]
+    fn agrees_with_a_btree_map_in_short_chunks() {
+        agrees_with_a_btree_map_in_chunks_of::<16>();
+    }
+
+    fn agrees_with_a_btree_map_in_chunks_of<const N: usize>() {
+        let mut map: OrdMap<u32, u32, N> = OrdMap::new();
         let mut model: BTreeMap<u32, u32> = BTreeMap::new();
         let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
         let mut rnd = move || {
@@ -1165,7 +1178,17 @@ mod tests {
     /// across chunk boundaries and joins.
     #[test]
     fn removals_by_place_and_scanned_places_agree_with_a_btree_map() {
-        let mut map: OrdMap<u32, u32> = OrdMap::new();
+        removals_by_place_agree_in_chunks_of::<CHUNK>();
+    }
+
+    /// The same with chunks of the free map's size.
+    #[test]
+    fn removals_by_place_agree_in_short_chunks() {
+        removals_by_place_agree_in_chunks_of::<16>();
+    }
+
+    fn removals_by_place_agree_in_chunks_of<const N: usize>() {
+        let mut map: OrdMap<u32, u32, N> = OrdMap::new();
         let mut model: BTreeMap<u32, u32> = BTreeMap::new();
         let mut x: u64 = 0x2545_f491_4f6c_dd1d;
         let mut rnd = move || {
