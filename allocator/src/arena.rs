@@ -2100,20 +2100,21 @@ impl Arena {
         let past = self.runs.lower_bound(&(zone.start + 1));
         let from = self.runs.pos_before(past).unwrap_or(past);
         let mut best: Option<(usize, usize, Pos)> = None;
-        self.runs.scan_past_places_at(from, |past, roff, &rlen| {
-            if roff >= zone.end {
-                return Break(());
-            }
-            if rlen >= len && best.is_none_or(|(bl, _, _)| rlen < bl) {
-                if let Some(off) = fits(rlen, roff) {
-                    best = Some((rlen, off, past));
-                    if rlen == len {
-                        return Break(());
+        // The runs starting in the zone: a run's start is tested only in
+        // the chunk where the starts pass the zone's end.
+        let last = zone.end.checked_sub(1)?;
+        self.runs
+            .scan_past_places_upto_at(from, &last, |past, roff, &rlen| {
+                if rlen >= len && best.is_none_or(|(bl, _, _)| rlen < bl) {
+                    if let Some(off) = fits(rlen, roff) {
+                        best = Some((rlen, off, past));
+                        if rlen == len {
+                            return Break(());
+                        }
                     }
                 }
-            }
-            Continue(())
-        });
+                Continue(())
+            });
         best.map(|(_, off, past)| (off, RunAt { run: Some(past) }))
     }
 

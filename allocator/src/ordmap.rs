@@ -659,10 +659,9 @@ impl<K: Ord + Copy, V, const N: usize> OrdMap<K, V, N> {
     }
 
     /// [`scan_at`](Self::scan_at) over the entries with keys at most
-    /// `last` alone: each chunk's entries past `last` are cut off before
-    /// its loop (none where its last key is at most `last`), so that `f`
-    /// need not test the key of each entry. `None` where `f` said
-    /// `Break` to none of them.
+    /// `last` alone, so that `f` need not test the key of each entry (see
+    /// [`scan_past_places_upto_at`](Self::scan_past_places_upto_at)).
+    /// `None` where `f` said `Break` to none of them.
     #[inline]
     pub fn scan_upto_at<R>(
         &self,
@@ -670,48 +669,58 @@ impl<K: Ord + Copy, V, const N: usize> OrdMap<K, V, N> {
         last: &K,
         mut f: impl FnMut(K, &V) -> std::ops::ControlFlow<R>,
     ) -> Option<(R, Pos)> {
-        let Pos { c, mut i } = pos;
-        for (d, chunk) in self.chunks.get(c..).unwrap_or_default().iter().enumerate() {
-            let n = match chunk.last() {
-                Some(e) if e.0 <= *last => chunk.len(),
-                _ => chunk.partition_point(|e| e.0 <= *last),
-            };
-            let mut k = i;
-            while k < n {
-                let e = &chunk[k];
-                if let std::ops::ControlFlow::Break(r) = f(e.0, &e.1) {
-                    return Some((r, Pos { c: c + d, i: k + 1 }));
-                }
-                k += 1;
-            }
-            if n < chunk.len() {
-                return None;
-            }
-            i = 0;
-        }
-        None
+        self.scan_past_places_upto_at(pos, last, |past, k, v| match f(k, v) {
+            std::ops::ControlFlow::Break(r) => std::ops::ControlFlow::Break((r, past)),
+            std::ops::ControlFlow::Continue(()) => std::ops::ControlFlow::Continue(()),
+        })
     }
 
-    /// [`scan_at`](Self::scan_at) where `f` is also given the place just
-    /// past each entry: a scan that settles on an entry before the one it
-    /// stops at hands that entry's place on, and it is then rewritten with
-    /// no search.
+    /// [`scan_upto_at`](Self::scan_upto_at) where `f` is also given the
+    /// place just past each entry: a scan that settles on an entry before
+    /// the one it stops at hands that entry's place on, and it is then
+    /// rewritten with no search. A chunk whose last key is at most `last`
+    /// is walked with no test of the keys; in the one where the keys pass
+    /// `last` each key is tested, which costs less than a search for the
+    /// cut where few of its entries are walked. Each chunk is walked as a
+    /// slice iterator (no bounds check per entry), its place read from
+    /// what the iterator has left.
     #[inline]
-    pub fn scan_past_places_at<R>(
+    pub fn scan_past_places_upto_at<R>(
         &self,
         pos: Pos,
+        last: &K,
         mut f: impl FnMut(Pos, K, &V) -> std::ops::ControlFlow<R>,
     ) -> Option<R> {
         let Pos { c, mut i } = pos;
         for (d, chunk) in self.chunks.get(c..).unwrap_or_default().iter().enumerate() {
-            for (j, e) in chunk.get(i..).unwrap_or_default().iter().enumerate() {
-                let past = Pos {
-                    c: c + d,
-                    i: i + j + 1,
-                };
-                if let std::ops::ControlFlow::Break(r) = f(past, e.0, &e.1) {
-                    return Some(r);
+            let n = chunk.len();
+            let mut todo = chunk.get(i..).unwrap_or_default().iter();
+            if chunk.last().is_some_and(|e| e.0 <= *last) {
+                while let Some(e) = todo.next() {
+                    let past = Pos {
+                        c: c + d,
+                        i: n - todo.len(),
+                    };
+                    if let std::ops::ControlFlow::Break(r) = f(past, e.0, &e.1) {
+                        return Some(r);
+                    }
                 }
+            } else {
+                // The chunk where the keys pass `last`: the last one
+                // walked, each key tested.
+                while let Some(e) = todo.next() {
+                    if e.0 > *last {
+                        break;
+                    }
+                    let past = Pos {
+                        c: c + d,
+                        i: n - todo.len(),
+                    };
+                    if let std::ops::ControlFlow::Break(r) = f(past, e.0, &e.1) {
+                        return Some(r);
+                    }
+                }
+                return None;
             }
             i = 0;
         }
@@ -1087,10 +1096,11 @@ mod tests {
                     assert_eq!(map.before(past).map(|(b, &w)| (b, w)), Some((k, v)));
                 }
                 let mut places = Vec::new();
-                let none: Option<()> = map.scan_past_places_at(map.lower_bound(&q), |p, k, _| {
-                    places.push((k, map.before(p).map(|(b, _)| b)));
-                    std::ops::ControlFlow::Continue(())
-                });
+                let none: Option<()> =
+                    map.scan_past_places_upto_at(map.lower_bound(&q), &u32::MAX, |p, k, _| {
+                        places.push((k, map.before(p).map(|(b, _)| b)));
+                        std::ops::ControlFlow::Continue(())
+                    });
                 assert!(none.is_none());
                 assert!(places
                     .iter()
