@@ -976,6 +976,13 @@ pub(crate) struct Arena {
     /// Physical pages active nowhere (they may still have ghost mappings).
     spare: Vec<usize>,
     free: OrdMap<usize, FreeRange, FREE_CHUNK>,
+    /// The chunks of the gaps' map and of the free map where the last
+    /// give-back went (and, for the free map, the last take): the next
+    /// one's searches start there (see [`OrdMap::around`]), which spares
+    /// the search over the chunks where it lands in the same one, as a
+    /// block given back often does near the last one taken or given
+    /// back. Any value gives the same answers.
+    span_hint: SpanHint,
     /// Maximal runs of adjacent free ranges, whatever their guards: start
     /// to length, and by (length, start). A block may span several ranges
     /// of a run when each of them is usable by its stream.
@@ -1047,6 +1054,7 @@ impl Arena {
             multi_units: 0,
             spare: Vec::new(),
             free: OrdMap::new(),
+            span_hint: SpanHint::NONE,
             runs: OrdMap::new(),
             fit_regions: std::iter::once(0..va_size).collect(),
             fit_gap: va_size..va_size,
@@ -1771,7 +1779,9 @@ impl Arena {
         self.gaps.occupy(off, len, span);
         // Usually one free range covers the block: cut it in place. It is
         // the one before the first key past `off`.
-        let pos = self.free.lower_bound(&(off + 1));
+        let pos = self
+            .free
+            .lower_bound_from(&(off + 1), &mut self.span_hint.free);
         if let Some((o, &old)) = self.free.before(pos) {
             if o + old.len >= end {
                 if o < off {
@@ -1863,8 +1873,9 @@ impl Arena {
         mut settled: impl FnMut(u64) -> u64,
     ) {
         self.drop_users(off, len);
-        let mut hint = SpanHint::NONE;
+        let mut hint = self.span_hint;
         self.free_span(off, len, guard, &mut settled, &mut hint);
+        self.span_hint = hint;
     }
 
     /// Give back blocks of one stream, each under `After { stream, epoch
@@ -1907,7 +1918,7 @@ impl Arena {
             blocks.sort_unstable_by_key(|b| b.0);
             // The spans go up in address order: each map is searched from
             // where the last span went.
-            let mut hint = SpanHint::NONE;
+            let mut hint = self.span_hint;
             let mut i = 0;
             while i < n {
                 let (off, mut len, mut epoch) = blocks[i];
@@ -1925,6 +1936,7 @@ impl Arena {
                 }
                 self.free_span(off, len, guard(epoch), &mut settled, &mut hint);
             }
+            self.span_hint = hint;
         }
         self.batch_scratch = blocks;
         n

@@ -234,19 +234,9 @@ impl<K: Ord + Copy, V, const N: usize> OrdMap<K, V, N> {
     /// above `k`) searches every chunk; the answer is the same.
     #[inline]
     pub fn around(&self, k: &K, hint: &mut usize) -> Around<'_, K, V> {
-        let c = match self.firsts.get(*hint..) {
-            Some([f, rest @ ..]) if *f <= *k => match rest.first() {
-                // The next key is in the same chunk or the one after, as
-                // it is for blocks of a batch, mostly.
-                Some(n) if *n <= *k => *hint + 1 + rest[1..].partition_point(|f| f <= k),
-                _ => *hint,
-            },
-            _ => match self.chunk_le(k) {
-                Some(c) => c,
-                None => return self.around_first(),
-            },
+        let Some(c) = self.chunk_le_from(k, hint) else {
+            return self.around_first();
         };
-        *hint = c;
         let chunk = &self.chunks[c];
         let i = chunk.partition_point(|e| e.0 < *k);
         let left = match i.checked_sub(1) {
@@ -259,6 +249,38 @@ impl<K: Ord + Copy, V, const N: usize> OrdMap<K, V, N> {
             None => self.chunks.get(c + 1).and_then(|n| n.first()),
         };
         (Pos { c, i }, left, right)
+    }
+
+    /// [`chunk_le`](Self::chunk_le) searched from chunk `hint` on (see
+    /// [`around`](Self::around)), which is set to the chunk found (left
+    /// as it was where none is).
+    #[inline]
+    fn chunk_le_from(&self, k: &K, hint: &mut usize) -> Option<usize> {
+        let c = match self.firsts.get(*hint..) {
+            Some([f, rest @ ..]) if *f <= *k => match rest.first() {
+                // The next key is in the same chunk or the one after, as
+                // it is for blocks of a batch, mostly.
+                Some(n) if *n <= *k => *hint + 1 + rest[1..].partition_point(|f| f <= k),
+                _ => *hint,
+            },
+            _ => self.chunk_le(k)?,
+        };
+        *hint = c;
+        Some(c)
+    }
+
+    /// [`lower_bound`](Self::lower_bound) searched from chunk `hint` on
+    /// (see [`around`](Self::around)), which is set to the chunk found:
+    /// the same place, whatever `hint` is.
+    #[inline]
+    pub fn lower_bound_from(&self, k: &K, hint: &mut usize) -> Pos {
+        match self.chunk_le_from(k, hint) {
+            None => Pos { c: 0, i: 0 },
+            Some(c) => Pos {
+                c,
+                i: self.chunks[c].partition_point(|e| e.0 < *k),
+            },
+        }
     }
 
     /// [`around`](Self::around) of a key below every key (or in an empty
@@ -951,6 +973,11 @@ mod tests {
             assert_eq!(pair(r2), kv(model.range(q..).next()));
             assert_eq!(mine(map.before(p2)), pair(l2));
             assert_eq!(mine(map.at(p2)), pair(r2));
+            // The place alone, from any chunk to start at: the one
+            // `lower_bound` finds.
+            let mut hint = (rnd() % 40) as usize;
+            let p3 = map.lower_bound_from(&q, &mut hint);
+            assert_eq!((p3.c, p3.i), (pos.c, pos.i));
             if step % 7 == 4 {
                 if let Some(v) = map.at_mut(pos) {
                     *v += 5;
