@@ -1326,6 +1326,11 @@ pub(crate) struct RebindScratch {
     /// Ghosts that come back by stream order: (page, unit, guard there,
     /// guard of the place it leaves).
     pub pending: Vec<(usize, usize, Guard, Option<Guard>)>,
+    /// Per physical page, the call that last met it on a target (see
+    /// `rebind_singles`): a page met again has a ghost on an earlier one.
+    pub met: Vec<u32>,
+    /// The current call's mark in `met` (never 0).
+    pub call: u32,
 }
 
 /// Where the physical memory for a block's hole pages comes from (see
