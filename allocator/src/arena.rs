@@ -1257,6 +1257,11 @@ impl Arena {
         self.rebinds += 1;
     }
 
+    /// Count `n` ghost mappings reactivated with no driver call.
+    pub fn count_rebinds(&mut self, n: u64) {
+        self.rebinds += n;
+    }
+
     // ----- free ranges -----
 
     /// A range took `guard`.

@@ -883,7 +883,8 @@ fn rebind_singles(
                 || owner.is_some_and(|q| block.contains(&q)),
             "a ghost on an earlier target is one met before"
         );
-        if earlier || owner.is_some_and(|q| (q..q + k).any(|r| block.contains(&r))) {
+        // Active at `q..q + k`: inside the block where that meets it.
+        if earlier || owner.is_some_and(|q| q + k > *block.start() && q <= *block.end()) {
             rest.push(p);
             continue;
         }
@@ -922,9 +923,7 @@ fn rebind_singles(
         phys.clear();
         phys.extend(run.iter().map(|m| m.1));
         st.arena.activate_singles(run[0].0, phys);
-        for _ in run {
-            st.arena.count_rebind();
-        }
+        st.arena.count_rebinds(run.len() as u64);
     }
     // The place a pending page leaves stays mapped, held by the guard of
     // its frees there; at `p` its bytes take the guard of every pending

@@ -150,6 +150,7 @@ impl ArenaState {
     /// Whether the ghost mapping over page `p` is held by a guard not
     /// known complete (see [`Arena::hold_mapping`]): it may be neither
     /// unmapped nor reactivated yet.
+    #[inline]
     pub fn held(&self, p: usize) -> bool {
         self.arena.any_held()
             && self
