@@ -236,9 +236,9 @@ impl<D: Device> Pages<'_, D> {
         loosen: bool,
         mover: Option<&Mover<'_>>,
     ) -> Result<usize, MapFailure> {
-        let mut sc = std::mem::take(&mut st.map_scratch);
+        let mut sc = st.map_scratch.take().unwrap_or_default();
         let r = self.map_at_with(st, len, start, need, loosen, mover, &mut sc);
-        st.map_scratch = sc;
+        st.map_scratch = Some(sc);
         r
     }
 

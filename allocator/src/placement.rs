@@ -18,8 +18,10 @@ pub(crate) struct ArenaState {
     pub done: Completion,
     /// Scratch space of `pick_victims` (no allocation per call).
     victim_runs: Vec<(bool, u64, usize)>,
-    /// Scratch space of page mapping (see [`MapScratch`]).
-    pub map_scratch: MapScratch,
+    /// Scratch space of page mapping (see [`MapScratch`]), boxed so that
+    /// taking it out for a call and putting it back moves a pointer (the
+    /// struct is many vectors); `None` only while a call has it.
+    pub map_scratch: Option<Box<MapScratch>>,
     /// Whether a held ghost mapping may come back for a stream ordered
     /// after its frees (see [`ArenaState::rebind_guard_for`]); page
     /// mapping turns it off for a second try when a window chosen that
@@ -58,7 +60,7 @@ impl ArenaState {
             arena,
             done: Completion::default(),
             victim_runs: Vec::new(),
-            map_scratch: MapScratch::default(),
+            map_scratch: Some(Box::default()),
             rebind_held: true,
             recent: std::cell::Cell::new([usize::MAX; RECENT_WINDOWS]),
             bounds,
