@@ -875,15 +875,21 @@ impl PendingIndex {
     /// epoch and its oldest are tried first (a free usually is one of
     /// them), through the list's ends rather than by index.
     fn remove(&mut self, stream: u64, epoch: u64) {
+        self.remove_n(stream, epoch, 1);
+    }
+
+    /// `n` ranges lost guard `After { stream, epoch }` (see
+    /// [`remove`](Self::remove)).
+    fn remove_n(&mut self, stream: u64, epoch: u64, n: usize) {
         let i = self.stream_at(stream).expect("a pending stream is indexed");
         let epochs = &mut self.streams[i].epochs;
         if let Some(e) = epochs.back_mut().filter(|e| e.epoch == epoch) {
-            e.ranges -= 1;
+            e.ranges -= n;
             if e.ranges == 0 {
                 epochs.pop_back();
             }
         } else if let Some(e) = epochs.front_mut().filter(|e| e.epoch == epoch) {
-            e.ranges -= 1;
+            e.ranges -= n;
             if e.ranges == 0 {
                 epochs.pop_front();
             }
@@ -891,7 +897,7 @@ impl PendingIndex {
             let k = epochs
                 .binary_search_by_key(&epoch, |e| e.epoch)
                 .expect("a pending epoch is indexed");
-            epochs[k].ranges -= 1;
+            epochs[k].ranges -= n;
             if epochs[k].ranges == 0 {
                 epochs.remove(k);
             }
@@ -1018,6 +1024,9 @@ pub(crate) struct Arena {
     pending: PendingIndex,
     /// Reused by `settle` (no allocation per call).
     settle_scratch: Vec<(usize, Guard, Guard, Pos)>,
+    /// Scratch space of `apply_settled`: (guard, ranges) taken out of the
+    /// pending index at the end.
+    settle_unindexed: Vec<(Guard, usize)>,
     /// Reused by `settle`: the guards to rewrite, with their new guards.
     settle_guards: Vec<(Guard, Guard)>,
     /// Reused by `give_back_stream`: (start, length, epoch) of each block.
@@ -1068,6 +1077,7 @@ impl Arena {
             idle_clock: 0,
             pending: PendingIndex::default(),
             settle_scratch: Vec::new(),
+            settle_unindexed: Vec::new(),
             settle_guards: Vec::new(),
             batch_scratch: Vec::new(),
             holds: std::collections::BTreeMap::new(),
@@ -1269,6 +1279,11 @@ impl Arena {
     /// Count a ghost mapping reactivated with no driver call.
     pub fn count_rebind(&mut self) {
         self.rebinds += 1;
+    }
+
+    /// Count `n` ghost mappings reactivated with no driver call.
+    pub fn count_rebinds(&mut self, n: u64) {
+        self.rebinds += n;
     }
 
     // ----- free ranges -----
@@ -2320,6 +2335,9 @@ impl Arena {
         mut upgrade: impl FnMut(Guard) -> Option<Guard>,
     ) {
         debug_assert!(changed.windows(2).all(|w| w[0].0 < w[1].0), "by address");
+        // Per guard collected, the ranges upgraded under it as collected.
+        let mut unindexed = std::mem::take(&mut self.settle_unindexed);
+        unindexed.clear();
         // Each range is upgraded where it lies and merged with both
         // neighbours where the guards allow, so neighbours upgraded in any
         // order end up merged. Ranges are visited by address (by end): one
@@ -2349,15 +2367,27 @@ impl Arena {
                     (pos, start, cur)
                 }
             };
-            let g = if start + cur.len == end && cur.guard == was {
-                Some(g)
-            } else {
-                upgrade(cur.guard)
-            };
-            if let Some(g) = g {
+            if start + cur.len == end && cur.guard == was {
+                // As collected: its guard leaves the index with the others
+                // of its epoch, below, in one count.
+                match unindexed.iter_mut().find(|(w, _)| *w == was) {
+                    Some((_, n)) => *n += 1,
+                    None => unindexed.push((was, 1)),
+                }
+                self.upgrade_unindexed(pos, start, cur, g);
+            } else if let Some(g) = upgrade(cur.guard) {
                 self.upgrade_at(pos, start, cur, g);
             }
         }
+        // Counts only ever went up meanwhile (a range taking one of these
+        // guards found its epoch still indexed): the same books as one
+        // removal per range.
+        for &(was, n) in &unindexed {
+            if let Guard::After { stream, epoch } = was {
+                self.pending.remove_n(stream, epoch, n);
+            }
+        }
+        self.settle_unindexed = unindexed;
         self.settle_scratch = changed;
     }
 
@@ -2367,6 +2397,12 @@ impl Arena {
     /// and giving it back under `g` would do, with one search.
     fn upgrade_at(&mut self, pos: Pos, o: usize, r: FreeRange, g: Guard) {
         self.unindex_pending(r.guard);
+        self.upgrade_unindexed(pos, o, r, g);
+    }
+
+    /// [`upgrade_at`](Self::upgrade_at) with the range's guard already
+    /// taken out of the pending index (or to be, by the caller).
+    fn upgrade_unindexed(&mut self, pos: Pos, o: usize, r: FreeRange, g: Guard) {
         let left = self
             .free
             .before(pos)

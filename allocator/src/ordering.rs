@@ -1505,22 +1505,38 @@ impl<D: Device> StreamOrder<D> {
             }
             std::mem::take(&mut *busy)
         };
-        let entries: Vec<(u64, Arc<StreamEntry>)> = {
-            let table = self.streams.read().unwrap_or_else(|p| p.into_inner());
-            ids.iter()
-                .filter_map(|id| table.get(id).map(|e| (*id, e.clone())))
-                .collect()
-        };
         // The streams still busy go back to the list in the vector the
-        // list was taken in, which keeps its room for the next pass.
-        ids.clear();
-        for (id, entry) in entries {
+        // list was taken in (`kept`), which keeps its room for the next
+        // pass.
+        let mut visit = |id: u64, entry: &StreamEntry, kept: &mut Vec<u64>| {
             let mut st = lock(&entry.state);
             f(id, &mut st);
             if st.busy() {
-                ids.push(id);
+                kept.push(id);
             } else {
                 st.listed = false;
+            }
+        };
+        if let [id] = ids[..] {
+            // One busy stream (as in a single-stream program): no vector
+            // of entries to allocate.
+            let entry = (self.streams.read().unwrap_or_else(|p| p.into_inner()))
+                .get(&id)
+                .cloned();
+            ids.clear();
+            if let Some(entry) = entry {
+                visit(id, &entry, &mut ids);
+            }
+        } else {
+            let entries: Vec<(u64, Arc<StreamEntry>)> = {
+                let table = self.streams.read().unwrap_or_else(|p| p.into_inner());
+                ids.iter()
+                    .filter_map(|id| table.get(id).map(|e| (*id, e.clone())))
+                    .collect()
+            };
+            ids.clear();
+            for (id, entry) in entries {
+                visit(id, &entry, &mut ids);
             }
         }
         let mut busy = lock(&self.busy);

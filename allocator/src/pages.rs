@@ -236,9 +236,9 @@ impl<D: Device> Pages<'_, D> {
         loosen: bool,
         mover: Option<&Mover<'_>>,
     ) -> Result<usize, MapFailure> {
-        let mut sc = std::mem::take(&mut st.map_scratch);
+        let mut sc = st.map_scratch.take().unwrap_or_default();
         let r = self.map_at_with(st, len, start, need, loosen, mover, &mut sc);
-        st.map_scratch = sc;
+        st.map_scratch = Some(sc);
         r
     }
 
@@ -845,10 +845,17 @@ fn rebind_singles(
         owners,
         phys,
         pending,
+        met,
+        call,
     } = sc;
     moves.clear();
     owners.clear();
     pending.clear();
+    *call = call.wrapping_add(1);
+    if *call == 0 {
+        met.fill(0);
+        *call = 1;
+    }
     let may_pend = mover.is_some() && (st.arena.any_pending() || st.arena.any_held());
     let any_pending = st.arena.any_pending();
     for &p in targets {
@@ -858,13 +865,26 @@ fn rebind_singles(
         };
         // The physical page's books, read once for every test below.
         let (owner, k) = st.arena.owner_and_pages(i);
-        // Targets lie in the block: a ghost on an earlier target is one at
-        // a page from the block's start up to `p` (one range check). A
-        // page active inside the block stays (`phys_movable`).
-        let earlier = *block.start()..p;
-        if st.arena.mappings(i).iter().any(|b| earlier.contains(b))
-            || owner.is_some_and(|q| (q..q + k).any(|r| block.contains(&r)))
-        {
+        // A mapping of a single page inside the block is either active
+        // there (its owner is in the block) or a hole, so a target: a
+        // ghost on an earlier target is one on a page met before in this
+        // loop (one mark per page, rather than a look at every mapping).
+        // A page active inside the block stays (`phys_movable`).
+        if i >= met.len() {
+            met.resize(i + 1, 0);
+        }
+        let earlier = std::mem::replace(&mut met[i], *call) == *call;
+        debug_assert_eq!(
+            earlier || owner.is_some_and(|q| block.contains(&q)),
+            st.arena
+                .mappings(i)
+                .iter()
+                .any(|b| (*block.start()..p).contains(b))
+                || owner.is_some_and(|q| block.contains(&q)),
+            "a ghost on an earlier target is one met before"
+        );
+        // Active at `q..q + k`: inside the block where that meets it.
+        if earlier || owner.is_some_and(|q| q + k > *block.start() && q <= *block.end()) {
             rest.push(p);
             continue;
         }
@@ -903,9 +923,7 @@ fn rebind_singles(
         phys.clear();
         phys.extend(run.iter().map(|m| m.1));
         st.arena.activate_singles(run[0].0, phys);
-        for _ in run {
-            st.arena.count_rebind();
-        }
+        st.arena.count_rebinds(run.len() as u64);
     }
     // The place a pending page leaves stays mapped, held by the guard of
     // its frees there; at `p` its bytes take the guard of every pending

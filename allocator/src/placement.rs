@@ -18,8 +18,10 @@ pub(crate) struct ArenaState {
     pub done: Completion,
     /// Scratch space of `pick_victims` (no allocation per call).
     victim_runs: Vec<(bool, u64, usize)>,
-    /// Scratch space of page mapping (see [`MapScratch`]).
-    pub map_scratch: MapScratch,
+    /// Scratch space of page mapping (see [`MapScratch`]), boxed so that
+    /// taking it out for a call and putting it back moves a pointer (the
+    /// struct is many vectors); `None` only while a call has it.
+    pub map_scratch: Option<Box<MapScratch>>,
     /// Whether a held ghost mapping may come back for a stream ordered
     /// after its frees (see [`ArenaState::rebind_guard_for`]); page
     /// mapping turns it off for a second try when a window chosen that
@@ -58,7 +60,7 @@ impl ArenaState {
             arena,
             done: Completion::default(),
             victim_runs: Vec::new(),
-            map_scratch: MapScratch::default(),
+            map_scratch: Some(Box::default()),
             rebind_held: true,
             recent: std::cell::Cell::new([usize::MAX; RECENT_WINDOWS]),
             bounds,
@@ -150,6 +152,7 @@ impl ArenaState {
     /// Whether the ghost mapping over page `p` is held by a guard not
     /// known complete (see [`Arena::hold_mapping`]): it may be neither
     /// unmapped nor reactivated yet.
+    #[inline]
     pub fn held(&self, p: usize) -> bool {
         self.arena.any_held()
             && self
@@ -1326,6 +1329,11 @@ pub(crate) struct RebindScratch {
     /// Ghosts that come back by stream order: (page, unit, guard there,
     /// guard of the place it leaves).
     pub pending: Vec<(usize, usize, Guard, Option<Guard>)>,
+    /// Per physical page, the call that last met it on a target (see
+    /// `rebind_singles`): a page met again has a ghost on an earlier one.
+    pub met: Vec<u32>,
+    /// The current call's mark in `met` (never 0).
+    pub call: u32,
 }
 
 /// Where the physical memory for a block's hole pages comes from (see
