@@ -86,6 +86,9 @@ const HELD: &str = "the arena lock is held between steps";
 /// waits through the pool are `clock` (read when the allocation began).
 /// Returns the offset of the block in the arena. An out-of-memory report
 /// leaves `used` for the caller to fill in (it needs no arena lock).
+/// Inlined into its one caller, the pool's slow allocation: the parts
+/// are then built in place, not copied into the context.
+#[inline(always)]
 pub(crate) fn acquire<'a, D: Device>(
     pool: Parts<'a, D>,
     len: usize,
