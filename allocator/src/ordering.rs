@@ -1137,16 +1137,6 @@ impl<D: Device> StreamOrder<D> {
         self.entry(stream).map(EntryRef::Owned)
     }
 
-    /// The entry in `stream`'s slot, for an allocation marked in flight on
-    /// it (which keeps it from being forgotten).
-    pub fn slot_entry_ref(&self, stream: Stream) -> EntryRef<'_> {
-        let e = self.direct.get(stream.id());
-        EntryRef::Slot(
-            e.filter(|e| e.id == stream.id())
-                .expect("the stream's slot entry"),
-        )
-    }
-
     /// The pool's state for `stream`, created on first use. Ids are never
     /// reused by the backend, so a stream's state is never confused with
     /// that of a destroyed stream whose driver handle was recycled. A

@@ -10,14 +10,16 @@ use crate::arena::{Arena, Guard};
 use crate::capture::{AllocRoute, CaptureTag};
 use crate::config::{PoolConfig, ReusePolicy};
 use crate::error::PoolError;
-use crate::ordering::{CachedBlock, EventRecord, Reach, StreamEntry, StreamOrder, VectorClock};
+use crate::ordering::{
+    CachedBlock, EntryRef, EventRecord, Reach, StreamEntry, StreamOrder, VectorClock,
+};
 use crate::pages::Pages;
 use crate::placement::ArenaState;
 use crate::raw::{RawSize, RawTable};
 use crate::registry::{CacheHolder, PoolRecord};
 use crate::share_state::ShareState;
 use crate::stats::{Counters, PoolStats};
-use crate::sync::{lock, Arc, AtomicBool, AtomicU64, Mutex, Ordering};
+use crate::sync::{lock, Arc, AtomicU64, AtomicU8, Mutex, Ordering, SlotRef};
 use std::fmt;
 use tidepool_sys::{Device, DevicePtr, Event, Stream, SysError};
 
@@ -199,10 +201,9 @@ pub(crate) struct PoolInner<D: Device> {
     pub config: PoolConfig,
     /// Peer access list, exports and imports.
     pub share: ShareState,
-    follow: AtomicBool,
-    opportunistic: AtomicBool,
-    internal: AtomicBool,
-    wait_pending: AtomicBool,
+    /// The reuse switches, one bit each ([`reuse_bits`]): one load gives
+    /// an allocation all four, as one `set_reuse` left them.
+    reuse: AtomicU8,
     release_threshold: AtomicU64,
     /// The capture gate, read once (relaxed) per allocation and free: the
     /// number of captures announced and not yet ended, plus [`STRICT`]
@@ -291,6 +292,25 @@ impl<D: Device> fmt::Debug for MemPool<D> {
     }
 }
 
+/// The reuse switches as the bits of one byte (see [`PoolInner::reuse`]).
+fn reuse_bits(r: ReusePolicy) -> u8 {
+    u8::from(r.follow_event_dependencies)
+        | u8::from(r.opportunistic) << 1
+        | u8::from(r.internal_dependencies) << 2
+        | u8::from(r.wait_for_pending_frees) << 3
+}
+
+/// The switches of [`reuse_bits`]'s byte.
+#[inline]
+fn reuse_of_bits(b: u8) -> ReusePolicy {
+    ReusePolicy {
+        follow_event_dependencies: b & 1 != 0,
+        opportunistic: b & 2 != 0,
+        internal_dependencies: b & 4 != 0,
+        wait_for_pending_frees: b & 8 != 0,
+    }
+}
+
 fn round_up(n: usize, to: usize) -> Option<usize> {
     n.checked_add(to - 1).map(|v| v / to * to)
 }
@@ -324,10 +344,7 @@ impl<D: Device> MemPool<D> {
             base,
             va_size,
             share: ShareState::new(access),
-            follow: AtomicBool::new(reuse.follow_event_dependencies),
-            opportunistic: AtomicBool::new(reuse.opportunistic),
-            internal: AtomicBool::new(reuse.internal_dependencies),
-            wait_pending: AtomicBool::new(reuse.wait_for_pending_frees),
+            reuse: AtomicU8::new(reuse_bits(reuse)),
             release_threshold: AtomicU64::new(config.release_threshold),
             capture_gate: AtomicU64::new(if config.check_capture { STRICT } else { 0 }),
             arena: Mutex::new(ArenaState::new(Arena::new(va_size, page))),
@@ -431,7 +448,7 @@ impl<D: Device> MemPool<D> {
         let checked = match self.inner.alloc_hit(size, stream) {
             Hit::Block { offset } => return Ok(self.allocation_at(offset, size, stream)),
             Hit::Miss => Checked::Yes,
-            Hit::Marked(clock) => Checked::Marked(clock),
+            Hit::Marked(clock, slot) => Checked::Marked(clock, slot),
             Hit::Other => Checked::No,
         };
         self.alloc_slow(size, stream, serve_capture, checked)
@@ -457,13 +474,13 @@ impl<D: Device> MemPool<D> {
         size: usize,
         stream: Stream,
         serve_capture: bool,
-        checked: Checked,
+        checked: Checked<'_>,
     ) -> Result<Allocation, PoolError> {
         let inner = &*self.inner;
         let (checked, marked) = match checked {
             Checked::No => (false, None),
             Checked::Yes => (true, None),
-            Checked::Marked(clock) => (true, Some(clock)),
+            Checked::Marked(clock, slot) => (true, Some((clock, slot))),
         };
         // Marked only for a size the fast path takes: 1 ..= va_size.
         debug_assert!(marked.is_none() || (1..=inner.va_size).contains(&size));
@@ -503,10 +520,10 @@ impl<D: Device> MemPool<D> {
         // (its counters folded) before the allocation is counted there.
         let (entry, in_flight, clock);
         match marked {
-            Some(c) => {
+            Some((c, slot)) => {
                 // Marked by the fast path on the slot's entry, which a
-                // mark keeps from being forgotten: the same entry.
-                entry = inner.order.slot_entry_ref(stream);
+                // mark keeps from being forgotten: the entry it found.
+                entry = EntryRef::Slot(slot);
                 in_flight = crate::ordering::AllocInFlight::adopt(&entry);
                 clock = c;
             }
@@ -983,19 +1000,9 @@ impl<D: Device> MemPool<D> {
 
     /// Change the reuse switches (takes effect for later allocations).
     pub fn set_reuse(&self, reuse: ReusePolicy) {
-        let inner = &*self.inner;
-        inner
-            .follow
-            .store(reuse.follow_event_dependencies, Ordering::Relaxed);
-        inner
-            .opportunistic
-            .store(reuse.opportunistic, Ordering::Relaxed);
-        inner
-            .internal
-            .store(reuse.internal_dependencies, Ordering::Relaxed);
-        inner
-            .wait_pending
-            .store(reuse.wait_for_pending_frees, Ordering::Relaxed);
+        self.inner
+            .reuse
+            .store(reuse_bits(reuse), Ordering::Relaxed);
     }
 
     /// The release threshold in force.
@@ -1096,7 +1103,7 @@ impl<D: Device> MemPool<D> {
             (st.drain_cache(), st.orphaned.is_some())
         };
         {
-            let opportunistic = inner.opportunistic.load(Ordering::Relaxed);
+            let opportunistic = inner.reuse().opportunistic;
             let mut arena = lock(&inner.arena);
             let ArenaState { arena, done, .. } = &mut *arena;
             for (len, b) in drained {
@@ -1233,7 +1240,7 @@ enum Stashed {
 }
 
 /// What the fast path of an allocation found.
-enum Hit {
+enum Hit<'a> {
     /// A block at `offset`.
     Block { offset: usize },
     /// The stream runs its work, is not retired, and its cache has no
@@ -1241,21 +1248,22 @@ enum Hit {
     Miss,
     /// [`Hit::Miss`] on the entry in the stream's slot, with the
     /// allocation marked in flight there under the same lock (see
-    /// `AllocInFlight`), and what the stream has waited on.
-    Marked(VectorClock),
+    /// `AllocInFlight`), what the stream has waited on, and the entry (so
+    /// that the slow path need not look it up again).
+    Marked(VectorClock, SlotRef<'a, Arc<StreamEntry>>),
     /// Anything else (size 0 or too large, the entry not at hand, a
     /// stream that is captured, destroyed or retired): nothing was done.
     Other,
 }
 
 /// What the slow path of an allocation may skip after the fast path.
-enum Checked {
+enum Checked<'a> {
     /// Nothing: it asks from the start.
     No,
     /// [`Hit::Miss`]: the stream runs its work, its cache has no block.
     Yes,
     /// [`Hit::Marked`].
-    Marked(VectorClock),
+    Marked(VectorClock, SlotRef<'a, Arc<StreamEntry>>),
 }
 
 impl<D: Device> PoolInner<D> {
@@ -1274,7 +1282,7 @@ impl<D: Device> PoolInner<D> {
     /// liveness flag otherwise), then take a block of exactly the rounded
     /// length from its cache. Changes nothing unless it returns a block.
     #[inline(always)]
-    fn alloc_hit(&self, size: usize, stream: Stream) -> Hit {
+    fn alloc_hit(&self, size: usize, stream: Stream) -> Hit<'_> {
         // Sizes 1 ..= va_size; the rest (0, too large) is the slow path's.
         if size.wrapping_sub(1) >= self.va_size {
             return Hit::Other;
@@ -1282,36 +1290,41 @@ impl<D: Device> PoolInner<D> {
         // No overflow: size <= va_size, itself a rounded usize.
         let len = (size + (ALIGNMENT - 1)) & !(ALIGNMENT - 1);
         let check = self.capture_check_needed();
-        // `as_deref`: an `Option<&Arc<_>>` already in std, a clone under loom.
-        #[allow(clippy::needless_option_as_deref)]
-        match self.order.direct_entry(stream).as_deref() {
-            Some(e) => self.alloc_on::<true>(e, stream, size, len, check),
+        match self.order.direct_entry(stream) {
+            Some(slot) => self.alloc_on(Some(slot), None, stream, size, len, check),
             None => self.alloc_on_recent(stream, size, len, check),
         }
     }
 
     /// [`PoolInner::alloc_hit`] for a stream without a slot of its own.
     #[inline(never)]
-    fn alloc_on_recent(&self, stream: Stream, size: usize, len: usize, check: bool) -> Hit {
+    fn alloc_on_recent(&self, stream: Stream, size: usize, len: usize, check: bool) -> Hit<'_> {
         match self.order.recent_entry(stream) {
-            Some(e) => self.alloc_on::<false>(&e, stream, size, len, check),
+            Some(e) => self.alloc_on(None, Some(&e), stream, size, len, check),
             None => Hit::Other,
         }
     }
 
-    /// [`PoolInner::alloc_hit`] on the stream's entry. `MARK`: the entry
-    /// is the one in the stream's slot, and a miss marks the allocation
-    /// in flight there under the lock already held ([`Hit::Marked`]), so
-    /// that the slow path does not lock the stream again to do it.
+    /// [`PoolInner::alloc_hit`] on the stream's entry: the one in the
+    /// stream's slot (`slot`), else `recent`. On the slot's entry a miss
+    /// marks the allocation in flight there under the lock already held
+    /// ([`Hit::Marked`]), so that the slow path does not lock the stream
+    /// again to do it.
     #[inline(always)]
-    fn alloc_on<const MARK: bool>(
+    fn alloc_on<'a>(
         &self,
-        e: &StreamEntry,
+        slot: Option<SlotRef<'a, Arc<StreamEntry>>>,
+        recent: Option<&StreamEntry>,
         stream: Stream,
         size: usize,
         len: usize,
         check: bool,
-    ) -> Hit {
+    ) -> Hit<'a> {
+        let e: &StreamEntry = match (&slot, recent) {
+            (Some(s), _) => s,
+            (None, Some(r)) => r,
+            (None, None) => return Hit::Other,
+        };
         if !e.runs_now(&*self.device, stream, check) {
             return Hit::Other;
         }
@@ -1320,10 +1333,12 @@ impl<D: Device> PoolInner<D> {
             return Hit::Other;
         }
         let Some(block) = st.cache.pop(len) else {
-            if MARK {
-                return Hit::Marked(crate::ordering::AllocInFlight::mark_held(&mut st));
+            if slot.is_none() {
+                return Hit::Miss;
             }
-            return Hit::Miss;
+            let clock = crate::ordering::AllocInFlight::mark_held(&mut st);
+            drop(st);
+            return Hit::Marked(clock, slot.expect("checked"));
         };
         st.cached_bytes -= len;
         let missing = self.counters.on_alloc(&mut st.counters, size as u64, true);
@@ -1383,7 +1398,7 @@ impl<D: Device> PoolInner<D> {
     /// other streams' next slow allocation learns when it completes.
     #[cold]
     fn spill(&self, stream: Stream, offset: usize, len: usize, epoch: u64) {
-        let opportunistic = self.opportunistic.load(Ordering::Relaxed);
+        let opportunistic = self.reuse().opportunistic;
         let mut st = lock(&self.arena);
         let ArenaState { arena, done, .. } = &mut *st;
         arena.give_back_settling(
@@ -1558,7 +1573,7 @@ impl<D: Device> PoolInner<D> {
             }
             None => self.order.orphan_forgotten(user.id()),
         };
-        let opportunistic = self.opportunistic.load(Ordering::Relaxed);
+        let opportunistic = self.reuse().opportunistic;
         let ArenaState { arena: a, done, .. } = &mut *arena;
         a.give_back_settling(
             offset,
@@ -1707,7 +1722,7 @@ impl<D: Device> PoolInner<D> {
         if !self.order.any_unpurged() {
             return;
         }
-        let opportunistic = self.opportunistic.load(Ordering::Relaxed);
+        let opportunistic = self.reuse().opportunistic;
         let purged = {
             let mut st = lock(&self.arena);
             let ArenaState { arena, done, .. } = &mut *st;
@@ -1727,13 +1742,9 @@ impl<D: Device> PoolInner<D> {
         self.counts().1
     }
 
+    #[inline]
     pub fn reuse(&self) -> ReusePolicy {
-        ReusePolicy {
-            follow_event_dependencies: self.follow.load(Ordering::Relaxed),
-            opportunistic: self.opportunistic.load(Ordering::Relaxed),
-            internal_dependencies: self.internal.load(Ordering::Relaxed),
-            wait_for_pending_frees: self.wait_pending.load(Ordering::Relaxed),
-        }
+        reuse_of_bits(self.reuse.load(Ordering::Relaxed))
     }
 
     /// The parts of the pool the reuse policy works with.
