@@ -138,6 +138,7 @@ pub(crate) fn acquire<'a, D: Device>(
 /// arena, events not yet seen complete) are asked what completed first:
 /// that costs what those few streams cost, and lets a producer take back
 /// the block a consumer freed as soon as it is done.
+#[inline(always)]
 fn fit_known<D: Device>(cx: &mut Ctx<'_, D>) -> Option<usize> {
     let st = cx.st.as_mut().expect(HELD);
     {
