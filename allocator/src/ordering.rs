@@ -45,9 +45,24 @@ use std::time::Instant;
 use tidepool_sys::{Device, Event, Stream, StreamProbe, SysError, SysResult};
 
 /// For each stream id, the highest epoch known to be ordered before.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Default, PartialEq, Eq)]
 pub(crate) struct VectorClock {
     entries: Vec<(u64, u64)>,
+}
+
+impl Clone for VectorClock {
+    /// Every slow allocation copies its stream's clock, most often empty
+    /// (a stream that never waited through the pool): that copy is a few
+    /// stores, not a vector's allocation path.
+    #[inline]
+    fn clone(&self) -> Self {
+        if self.entries.is_empty() {
+            return VectorClock::default();
+        }
+        VectorClock {
+            entries: self.entries.clone(),
+        }
+    }
 }
 
 impl VectorClock {
