@@ -48,17 +48,33 @@ use crate::sync::{lock, Arc, Mutex};
 use std::time::Instant;
 use tidepool_sys::{Device, Stream, SysError};
 
-/// The parts of the pool the policy works with.
+/// The parts of the pool the policy works with (the pool's id, device and
+/// configuration are the page mapper's: built once per allocation, not
+/// twice).
 pub(crate) struct Parts<'a, D: Device> {
-    pub id: u64,
-    pub device: &'a D,
-    /// Identifies the device among pools (for step 6).
-    pub device_key: usize,
-    pub config: &'a PoolConfig,
     pub order: &'a StreamOrder<D>,
     pub arena: &'a Mutex<ArenaState>,
     pub pages: Pages<'a, D>,
     pub counters: &'a Counters,
+}
+
+impl<'a, D: Device> Parts<'a, D> {
+    fn id(&self) -> u64 {
+        self.pages.pool
+    }
+
+    fn device(&self) -> &'a D {
+        self.pages.device
+    }
+
+    fn config(&self) -> &'a PoolConfig {
+        self.pages.config
+    }
+
+    /// Identifies the device among pools (for step 6).
+    fn device_key(&self) -> usize {
+        crate::registry::device_key(self.pages.device)
+    }
 }
 
 /// One allocation's context through the steps.
@@ -193,9 +209,9 @@ fn other_pools_release<D: Device>(
     first: SysError,
 ) -> Result<Option<usize>, PoolError> {
     drop(cx.st.take());
-    let freed = crate::registry::release_other_pools(cx.pool.device_key, cx.pool.id);
+    let freed = crate::registry::release_other_pools(cx.pool.device_key(), cx.pool.id());
     tracing::debug!(
-        pool = cx.pool.id,
+        pool = cx.pool.id(),
         freed,
         "released other pools' cached memory"
     );
@@ -250,14 +266,14 @@ fn grow_with_dependency<D: Device>(cx: &mut Ctx<'_, D>) -> Result<Option<usize>,
         return Ok(None);
     }
     for record in &records {
-        cx.pool.device.wait_event(cx.stream, record.event)?;
+        cx.pool.device().wait_event(cx.stream, record.event)?;
         cx.pool
             .order
             .merge_clock(&mut lock(&cx.entry.state), &record.clock);
         cx.clock.merge(&record.clock);
         Counters::bump(&cx.pool.counters.internal_dependencies);
         tracing::debug!(
-            pool = cx.pool.id,
+            pool = cx.pool.id(),
             stream = cx.me,
             donor = record.stream.id(),
             len = cx.len,
@@ -278,7 +294,7 @@ fn wait_for_pending<D: Device>(cx: &mut Ctx<'_, D>) -> Result<Option<usize>, Poo
         return Ok(None);
     }
     // An unrepresentable deadline (Duration::MAX) means no deadline.
-    let deadline = Instant::now().checked_add(cx.pool.config.last_resort_wait);
+    let deadline = Instant::now().checked_add(cx.pool.config().last_resort_wait);
     loop {
         let order = cx.pool.order;
         {
@@ -332,8 +348,8 @@ fn out_of_memory<D: Device>(cx: &Ctx<'_, D>) -> PoolError {
         reserved: st.arena.reserved(),
         used: 0,
         largest_free_range: st.arena.largest_free() as u64,
-        device_free: cx.pool.device.mem_info().ok().map(|m| m.free as u64),
-        max_size: cx.pool.config.max_size,
+        device_free: cx.pool.device().mem_info().ok().map(|m| m.free as u64),
+        max_size: cx.pool.config().max_size,
         cause: cx.cause.clone(),
     }))
 }
@@ -403,7 +419,7 @@ fn take_with_dependency<D: Device>(cx: &mut Ctx<'_, D>) -> Result<Option<usize>,
                 Some(r) => r,
                 None if d.epoch == epoch
                     && !d.retired
-                    && !pool.device.is_capturing(d.stream).unwrap_or(true) =>
+                    && !pool.device().is_capturing(d.stream).unwrap_or(true) =>
                 {
                     match pool.order.record_closing(&mut d) {
                         Ok(r) => r,
@@ -416,12 +432,12 @@ fn take_with_dependency<D: Device>(cx: &mut Ctx<'_, D>) -> Result<Option<usize>,
             records.push(record);
         }
         for record in &records {
-            pool.device.wait_event(stream, record.event)?;
+            pool.device().wait_event(stream, record.event)?;
             pool.order
                 .merge_clock(&mut lock(&entry.state), &record.clock);
             Counters::bump(&pool.counters.internal_dependencies);
             tracing::debug!(
-                pool = pool.id,
+                pool = pool.id(),
                 stream = me,
                 donor = record.stream.id(),
                 len,

@@ -361,7 +361,7 @@ impl<D: Device> MemPool<D> {
                 id,
                 base,
                 size: va_size as u64,
-                device_key: device_key(&inner.device),
+                device_key: crate::registry::device_key(&*inner.device),
                 holder,
             });
         }
@@ -1225,7 +1225,10 @@ impl RawSize for Allocation {
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub fn default_pool<D: Device>(device: &Arc<D>) -> Result<MemPool<D>, PoolError> {
-    let key = (device_key(device), std::any::TypeId::of::<D>());
+    let key = (
+        crate::registry::device_key(&**device),
+        std::any::TypeId::of::<D>(),
+    );
     crate::registry::default_for(key, || MemPool::new(device.clone(), PoolConfig::default()))
 }
 
@@ -1750,10 +1753,6 @@ impl<D: Device> PoolInner<D> {
     /// The parts of the pool the reuse policy works with.
     fn parts(&self) -> crate::policy::Parts<'_, D> {
         crate::policy::Parts {
-            id: self.id,
-            device: &*self.device,
-            device_key: device_key(&self.device),
-            config: &self.config,
             order: &self.order,
             arena: &self.arena,
             pages: self.pages(),
@@ -1818,9 +1817,6 @@ impl<D: Device> CacheHolder for PoolInner<D> {
 }
 
 /// Identifies a device instance among pools.
-fn device_key<D>(device: &Arc<D>) -> usize {
-    Arc::as_ptr(device) as *const () as usize
-}
 
 impl<D: Device> Drop for PoolInner<D> {
     fn drop(&mut self) {
