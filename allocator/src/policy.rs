@@ -113,7 +113,12 @@ pub(crate) fn acquire<'a, D: Device>(
     reuse: ReusePolicy,
     clock: VectorClock,
 ) -> Result<usize, PoolError> {
-    let st = lock(pool.arena);
+    let mut st = lock(pool.arena);
+    // Most allocations end here: no context is built for them, and the
+    // lock and the clock are let go in place.
+    if let Some(off) = fit_known(&pool, &mut st, len, stream.id(), entry, &clock, reuse) {
+        return Ok(off);
+    }
     let mut cx = Ctx {
         pool,
         len,
@@ -125,9 +130,6 @@ pub(crate) fn acquire<'a, D: Device>(
         st: Some(st),
         cause: None,
     };
-    if let Some(off) = fit_known(&mut cx) {
-        return Ok(off);
-    }
     if let Some(off) = fit_observed(&mut cx) {
         return Ok(off);
     }
@@ -155,18 +157,23 @@ pub(crate) fn acquire<'a, D: Device>(
 /// that costs what those few streams cost, and lets a producer take back
 /// the block a consumer freed as soon as it is done.
 #[inline(always)]
-fn fit_known<D: Device>(cx: &mut Ctx<'_, D>) -> Option<usize> {
-    let st = cx.st.as_mut().expect(HELD);
+fn fit_known<D: Device>(
+    pool: &Parts<'_, D>,
+    st: &mut State<'_>,
+    len: usize,
+    me: u64,
+    entry: &StreamEntry,
+    clock: &VectorClock,
+    reuse: ReusePolicy,
+) -> Option<usize> {
     {
         let ArenaState { arena, done, .. } = &mut **st;
-        cx.pool
-            .order
-            .flush_own_cache(arena, done, cx.reuse.opportunistic, cx.me, cx.entry);
-        cx.pool
-            .order
-            .poll_completions(arena, done, cx.reuse.opportunistic, cx.me, Some(cx.entry));
+        pool.order
+            .flush_own_cache(arena, done, reuse.opportunistic, me, entry);
+        pool.order
+            .poll_completions(arena, done, reuse.opportunistic, me, Some(entry));
     }
-    fit(st, cx.len, cx.me, &cx.clock, cx.reuse)
+    fit(st, len, me, clock, reuse)
 }
 
 /// Step 3 after asking the device which frees completed, and after the

@@ -1000,9 +1000,7 @@ impl<D: Device> MemPool<D> {
 
     /// Change the reuse switches (takes effect for later allocations).
     pub fn set_reuse(&self, reuse: ReusePolicy) {
-        self.inner
-            .reuse
-            .store(reuse_bits(reuse), Ordering::Relaxed);
+        self.inner.reuse.store(reuse_bits(reuse), Ordering::Relaxed);
     }
 
     /// The release threshold in force.
