@@ -447,9 +447,9 @@ impl<D: Device> MemPool<D> {
         // large, errors, capture) is the slow path's, from the start.
         let checked = match self.inner.alloc_hit(size, stream) {
             Hit::Block { offset } => return Ok(self.allocation_at(offset, size, stream)),
-            Hit::Miss => Checked::Yes,
-            Hit::Marked(clock, slot) => Checked::Marked(clock, slot),
-            Hit::Other => Checked::No,
+            Hit::Marked(clock, slot) => return self.alloc_marked(size, stream, clock, slot),
+            Hit::Miss => true,
+            Hit::Other => false,
         };
         self.alloc_slow(size, stream, serve_capture, checked)
     }
@@ -460,13 +460,35 @@ impl<D: Device> MemPool<D> {
         Allocation::eager(self.inner.base + offset as u64, size, stream, self.inner.id)
     }
 
-    /// Everything but a hit in the stream's own cache found through this
-    /// thread's recent entries: graph memory for a capturing stream, the
-    /// table lookup, a block another stream freed before an event this
-    /// stream waited on, and the reuse policy's steps. `checked`: whether
-    /// the fast path already found the stream running its work and its
-    /// cache without a block of this size (and marked the allocation in
-    /// flight on the stream's slot).
+    /// The slow path after the fast path missed on the stream's slot
+    /// entry ([`Hit::Marked`]): the size is one the fast path takes
+    /// (1 ..= va_size), the stream runs its work and is not retired, its
+    /// cache has no block of the size, and the allocation is marked in
+    /// flight there. What is left is the reuse policy's.
+    #[cold]
+    #[inline(never)]
+    fn alloc_marked(
+        &self,
+        size: usize,
+        stream: Stream,
+        clock: VectorClock,
+        slot: SlotRef<'_, Arc<StreamEntry>>,
+    ) -> Result<Allocation, PoolError> {
+        debug_assert!((1..=self.inner.va_size).contains(&size));
+        // No overflow: size <= va_size, itself a rounded usize.
+        let len = (size + (ALIGNMENT - 1)) & !(ALIGNMENT - 1);
+        // The mark keeps the slot's entry from being forgotten.
+        let entry = EntryRef::Slot(slot);
+        let in_flight = crate::ordering::AllocInFlight::adopt(&entry);
+        self.alloc_by_policy(size, len, stream, &entry, in_flight, clock)
+    }
+
+    /// Everything but a hit or a marked miss in the stream's own cache
+    /// found through this thread's recent entries: graph memory for a
+    /// capturing stream, the table lookup, then as
+    /// [`alloc_marked`](Self::alloc_marked). `checked`: whether the fast
+    /// path already found the stream running its work and its cache
+    /// without a block of this size.
     #[cold]
     #[inline(never)]
     fn alloc_slow(
@@ -474,16 +496,9 @@ impl<D: Device> MemPool<D> {
         size: usize,
         stream: Stream,
         serve_capture: bool,
-        checked: Checked<'_>,
+        checked: bool,
     ) -> Result<Allocation, PoolError> {
         let inner = &*self.inner;
-        let (checked, marked) = match checked {
-            Checked::No => (false, None),
-            Checked::Yes => (true, None),
-            Checked::Marked(clock, slot) => (true, Some((clock, slot))),
-        };
-        // Marked only for a size the fast path takes: 1 ..= va_size.
-        debug_assert!(marked.is_none() || (1..=inner.va_size).contains(&size));
         if size == 0 {
             // No memory, but the stream is named all the same: refuse a
             // destroyed stream or another device's as for any size.
@@ -518,33 +533,37 @@ impl<D: Device> MemPool<D> {
         }
         // A retire racing this allocation cannot have the entry forgotten
         // (its counters folded) before the allocation is counted there.
-        let (entry, in_flight, clock);
-        match marked {
-            Some((c, slot)) => {
-                // Marked by the fast path on the slot's entry, which a
-                // mark keeps from being forgotten: the entry it found.
-                entry = EntryRef::Slot(slot);
-                in_flight = crate::ordering::AllocInFlight::adopt(&entry);
-                clock = c;
-            }
-            None => {
-                entry = inner.order.entry_ref(stream)?;
-                (in_flight, clock) = crate::ordering::AllocInFlight::mark(&entry, stream)?;
-            }
-        }
+        let entry = inner.order.entry_ref(stream)?;
+        let (in_flight, clock) = crate::ordering::AllocInFlight::mark(&entry, stream)?;
         if !checked {
             if let Some(offset) = inner.take_cached(&entry, stream, size, len)? {
                 return Ok(self.allocation_at(offset, size, stream));
             }
         }
+        self.alloc_by_policy(size, len, stream, &entry, in_flight, clock)
+    }
+
+    /// The end of every slow allocation: a block from the cache of a
+    /// stream waited on, else the reuse policy's; counted on the stream,
+    /// where `in_flight` marks it.
+    #[inline(always)]
+    fn alloc_by_policy(
+        &self,
+        size: usize,
+        len: usize,
+        stream: Stream,
+        entry: &Arc<StreamEntry>,
+        in_flight: crate::ordering::AllocInFlight<'_>,
+        clock: VectorClock,
+    ) -> Result<Allocation, PoolError> {
+        let inner = &*self.inner;
         let reuse = inner.reuse();
         if reuse.follow_event_dependencies && !clock.is_empty() {
-            if let Some(offset) = inner.take_followed(&entry, stream, size, len, &clock) {
+            if let Some(offset) = inner.take_followed(entry, stream, size, len, &clock) {
                 return Ok(self.allocation_at(offset, size, stream));
             }
         }
-        let offset = match crate::policy::acquire(inner.parts(), len, stream, &entry, reuse, clock)
-        {
+        let offset = match crate::policy::acquire(inner.parts(), len, stream, entry, reuse, clock) {
             Ok(off) => off,
             Err(mut e) => {
                 if let PoolError::OutOfMemory(report) = &mut e {
@@ -1255,16 +1274,6 @@ enum Hit<'a> {
     /// Anything else (size 0 or too large, the entry not at hand, a
     /// stream that is captured, destroyed or retired): nothing was done.
     Other,
-}
-
-/// What the slow path of an allocation may skip after the fast path.
-enum Checked<'a> {
-    /// Nothing: it asks from the start.
-    No,
-    /// [`Hit::Miss`]: the stream runs its work, its cache has no block.
-    Yes,
-    /// [`Hit::Marked`].
-    Marked(VectorClock, SlotRef<'a, Arc<StreamEntry>>),
 }
 
 impl<D: Device> PoolInner<D> {
