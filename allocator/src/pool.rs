@@ -1823,8 +1823,6 @@ impl<D: Device> CacheHolder for PoolInner<D> {
     }
 }
 
-/// Identifies a device instance among pools.
-
 impl<D: Device> Drop for PoolInner<D> {
     fn drop(&mut self) {
         crate::registry::unregister(self.id);
