@@ -45,9 +45,24 @@ use std::time::Instant;
 use tidepool_sys::{Device, Event, Stream, StreamProbe, SysError, SysResult};
 
 /// For each stream id, the highest epoch known to be ordered before.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Default, PartialEq, Eq)]
 pub(crate) struct VectorClock {
     entries: Vec<(u64, u64)>,
+}
+
+impl Clone for VectorClock {
+    /// Every slow allocation copies its stream's clock, most often empty
+    /// (a stream that never waited through the pool): that copy is a few
+    /// stores, not a vector's allocation path.
+    #[inline]
+    fn clone(&self) -> Self {
+        if self.entries.is_empty() {
+            return VectorClock::default();
+        }
+        VectorClock {
+            entries: self.entries.clone(),
+        }
+    }
 }
 
 impl VectorClock {
@@ -1135,16 +1150,6 @@ impl<D: Device> StreamOrder<D> {
             }
         }
         self.entry(stream).map(EntryRef::Owned)
-    }
-
-    /// The entry in `stream`'s slot, for an allocation marked in flight on
-    /// it (which keeps it from being forgotten).
-    pub fn slot_entry_ref(&self, stream: Stream) -> EntryRef<'_> {
-        let e = self.direct.get(stream.id());
-        EntryRef::Slot(
-            e.filter(|e| e.id == stream.id())
-                .expect("the stream's slot entry"),
-        )
     }
 
     /// The pool's state for `stream`, created on first use. Ids are never

@@ -48,17 +48,33 @@ use crate::sync::{lock, Arc, Mutex};
 use std::time::Instant;
 use tidepool_sys::{Device, Stream, SysError};
 
-/// The parts of the pool the policy works with.
+/// The parts of the pool the policy works with (the pool's id, device and
+/// configuration are the page mapper's: built once per allocation, not
+/// twice).
 pub(crate) struct Parts<'a, D: Device> {
-    pub id: u64,
-    pub device: &'a D,
-    /// Identifies the device among pools (for step 6).
-    pub device_key: usize,
-    pub config: &'a PoolConfig,
     pub order: &'a StreamOrder<D>,
     pub arena: &'a Mutex<ArenaState>,
     pub pages: Pages<'a, D>,
     pub counters: &'a Counters,
+}
+
+impl<'a, D: Device> Parts<'a, D> {
+    fn id(&self) -> u64 {
+        self.pages.pool
+    }
+
+    fn device(&self) -> &'a D {
+        self.pages.device
+    }
+
+    fn config(&self) -> &'a PoolConfig {
+        self.pages.config
+    }
+
+    /// Identifies the device among pools (for step 6).
+    fn device_key(&self) -> usize {
+        crate::registry::device_key(self.pages.device)
+    }
 }
 
 /// One allocation's context through the steps.
@@ -86,6 +102,9 @@ const HELD: &str = "the arena lock is held between steps";
 /// waits through the pool are `clock` (read when the allocation began).
 /// Returns the offset of the block in the arena. An out-of-memory report
 /// leaves `used` for the caller to fill in (it needs no arena lock).
+/// Inlined into its one caller, the pool's slow allocation: the parts
+/// are then built in place, not copied into the context.
+#[inline(always)]
 pub(crate) fn acquire<'a, D: Device>(
     pool: Parts<'a, D>,
     len: usize,
@@ -94,7 +113,12 @@ pub(crate) fn acquire<'a, D: Device>(
     reuse: ReusePolicy,
     clock: VectorClock,
 ) -> Result<usize, PoolError> {
-    let st = lock(pool.arena);
+    let mut st = lock(pool.arena);
+    // Most allocations end here: no context is built for them, and the
+    // lock and the clock are let go in place.
+    if let Some(off) = fit_known(&pool, &mut st, len, stream.id(), entry, &clock, reuse) {
+        return Ok(off);
+    }
     let mut cx = Ctx {
         pool,
         len,
@@ -106,9 +130,6 @@ pub(crate) fn acquire<'a, D: Device>(
         st: Some(st),
         cause: None,
     };
-    if let Some(off) = fit_known(&mut cx) {
-        return Ok(off);
-    }
     if let Some(off) = fit_observed(&mut cx) {
         return Ok(off);
     }
@@ -135,18 +156,24 @@ pub(crate) fn acquire<'a, D: Device>(
 /// arena, events not yet seen complete) are asked what completed first:
 /// that costs what those few streams cost, and lets a producer take back
 /// the block a consumer freed as soon as it is done.
-fn fit_known<D: Device>(cx: &mut Ctx<'_, D>) -> Option<usize> {
-    let st = cx.st.as_mut().expect(HELD);
+#[inline(always)]
+fn fit_known<D: Device>(
+    pool: &Parts<'_, D>,
+    st: &mut State<'_>,
+    len: usize,
+    me: u64,
+    entry: &StreamEntry,
+    clock: &VectorClock,
+    reuse: ReusePolicy,
+) -> Option<usize> {
     {
         let ArenaState { arena, done, .. } = &mut **st;
-        cx.pool
-            .order
-            .flush_own_cache(arena, done, cx.reuse.opportunistic, cx.me, cx.entry);
-        cx.pool
-            .order
-            .poll_completions(arena, done, cx.reuse.opportunistic, cx.me, Some(cx.entry));
+        pool.order
+            .flush_own_cache(arena, done, reuse.opportunistic, me, entry);
+        pool.order
+            .poll_completions(arena, done, reuse.opportunistic, me, Some(entry));
     }
-    fit(st, cx.len, cx.me, &cx.clock, cx.reuse)
+    fit(st, len, me, clock, reuse)
 }
 
 /// Step 3 after asking the device which frees completed, and after the
@@ -189,9 +216,9 @@ fn other_pools_release<D: Device>(
     first: SysError,
 ) -> Result<Option<usize>, PoolError> {
     drop(cx.st.take());
-    let freed = crate::registry::release_other_pools(cx.pool.device_key, cx.pool.id);
+    let freed = crate::registry::release_other_pools(cx.pool.device_key(), cx.pool.id());
     tracing::debug!(
-        pool = cx.pool.id,
+        pool = cx.pool.id(),
         freed,
         "released other pools' cached memory"
     );
@@ -246,14 +273,14 @@ fn grow_with_dependency<D: Device>(cx: &mut Ctx<'_, D>) -> Result<Option<usize>,
         return Ok(None);
     }
     for record in &records {
-        cx.pool.device.wait_event(cx.stream, record.event)?;
+        cx.pool.device().wait_event(cx.stream, record.event)?;
         cx.pool
             .order
             .merge_clock(&mut lock(&cx.entry.state), &record.clock);
         cx.clock.merge(&record.clock);
         Counters::bump(&cx.pool.counters.internal_dependencies);
         tracing::debug!(
-            pool = cx.pool.id,
+            pool = cx.pool.id(),
             stream = cx.me,
             donor = record.stream.id(),
             len = cx.len,
@@ -274,7 +301,7 @@ fn wait_for_pending<D: Device>(cx: &mut Ctx<'_, D>) -> Result<Option<usize>, Poo
         return Ok(None);
     }
     // An unrepresentable deadline (Duration::MAX) means no deadline.
-    let deadline = Instant::now().checked_add(cx.pool.config.last_resort_wait);
+    let deadline = Instant::now().checked_add(cx.pool.config().last_resort_wait);
     loop {
         let order = cx.pool.order;
         {
@@ -328,8 +355,8 @@ fn out_of_memory<D: Device>(cx: &Ctx<'_, D>) -> PoolError {
         reserved: st.arena.reserved(),
         used: 0,
         largest_free_range: st.arena.largest_free() as u64,
-        device_free: cx.pool.device.mem_info().ok().map(|m| m.free as u64),
-        max_size: cx.pool.config.max_size,
+        device_free: cx.pool.device().mem_info().ok().map(|m| m.free as u64),
+        max_size: cx.pool.config().max_size,
         cause: cx.cause.clone(),
     }))
 }
@@ -399,7 +426,7 @@ fn take_with_dependency<D: Device>(cx: &mut Ctx<'_, D>) -> Result<Option<usize>,
                 Some(r) => r,
                 None if d.epoch == epoch
                     && !d.retired
-                    && !pool.device.is_capturing(d.stream).unwrap_or(true) =>
+                    && !pool.device().is_capturing(d.stream).unwrap_or(true) =>
                 {
                     match pool.order.record_closing(&mut d) {
                         Ok(r) => r,
@@ -412,12 +439,12 @@ fn take_with_dependency<D: Device>(cx: &mut Ctx<'_, D>) -> Result<Option<usize>,
             records.push(record);
         }
         for record in &records {
-            pool.device.wait_event(stream, record.event)?;
+            pool.device().wait_event(stream, record.event)?;
             pool.order
                 .merge_clock(&mut lock(&entry.state), &record.clock);
             Counters::bump(&pool.counters.internal_dependencies);
             tracing::debug!(
-                pool = pool.id,
+                pool = pool.id(),
                 stream = me,
                 donor = record.stream.id(),
                 len,

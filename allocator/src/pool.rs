@@ -10,14 +10,16 @@ use crate::arena::{Arena, Guard};
 use crate::capture::{AllocRoute, CaptureTag};
 use crate::config::{PoolConfig, ReusePolicy};
 use crate::error::PoolError;
-use crate::ordering::{CachedBlock, EventRecord, Reach, StreamEntry, StreamOrder, VectorClock};
+use crate::ordering::{
+    CachedBlock, EntryRef, EventRecord, Reach, StreamEntry, StreamOrder, VectorClock,
+};
 use crate::pages::Pages;
 use crate::placement::ArenaState;
 use crate::raw::{RawSize, RawTable};
 use crate::registry::{CacheHolder, PoolRecord};
 use crate::share_state::ShareState;
 use crate::stats::{Counters, PoolStats};
-use crate::sync::{lock, Arc, AtomicBool, AtomicU64, Mutex, Ordering};
+use crate::sync::{lock, Arc, AtomicU64, AtomicU8, Mutex, Ordering, SlotRef};
 use std::fmt;
 use tidepool_sys::{Device, DevicePtr, Event, Stream, SysError};
 
@@ -199,10 +201,9 @@ pub(crate) struct PoolInner<D: Device> {
     pub config: PoolConfig,
     /// Peer access list, exports and imports.
     pub share: ShareState,
-    follow: AtomicBool,
-    opportunistic: AtomicBool,
-    internal: AtomicBool,
-    wait_pending: AtomicBool,
+    /// The reuse switches, one bit each ([`reuse_bits`]): one load gives
+    /// an allocation all four, as one `set_reuse` left them.
+    reuse: AtomicU8,
     release_threshold: AtomicU64,
     /// The capture gate, read once (relaxed) per allocation and free: the
     /// number of captures announced and not yet ended, plus [`STRICT`]
@@ -291,6 +292,25 @@ impl<D: Device> fmt::Debug for MemPool<D> {
     }
 }
 
+/// The reuse switches as the bits of one byte (see [`PoolInner::reuse`]).
+fn reuse_bits(r: ReusePolicy) -> u8 {
+    u8::from(r.follow_event_dependencies)
+        | u8::from(r.opportunistic) << 1
+        | u8::from(r.internal_dependencies) << 2
+        | u8::from(r.wait_for_pending_frees) << 3
+}
+
+/// The switches of [`reuse_bits`]'s byte.
+#[inline]
+fn reuse_of_bits(b: u8) -> ReusePolicy {
+    ReusePolicy {
+        follow_event_dependencies: b & 1 != 0,
+        opportunistic: b & 2 != 0,
+        internal_dependencies: b & 4 != 0,
+        wait_for_pending_frees: b & 8 != 0,
+    }
+}
+
 fn round_up(n: usize, to: usize) -> Option<usize> {
     n.checked_add(to - 1).map(|v| v / to * to)
 }
@@ -324,10 +344,7 @@ impl<D: Device> MemPool<D> {
             base,
             va_size,
             share: ShareState::new(access),
-            follow: AtomicBool::new(reuse.follow_event_dependencies),
-            opportunistic: AtomicBool::new(reuse.opportunistic),
-            internal: AtomicBool::new(reuse.internal_dependencies),
-            wait_pending: AtomicBool::new(reuse.wait_for_pending_frees),
+            reuse: AtomicU8::new(reuse_bits(reuse)),
             release_threshold: AtomicU64::new(config.release_threshold),
             capture_gate: AtomicU64::new(if config.check_capture { STRICT } else { 0 }),
             arena: Mutex::new(ArenaState::new(Arena::new(va_size, page))),
@@ -344,7 +361,7 @@ impl<D: Device> MemPool<D> {
                 id,
                 base,
                 size: va_size as u64,
-                device_key: device_key(&inner.device),
+                device_key: crate::registry::device_key(&*inner.device),
                 holder,
             });
         }
@@ -430,9 +447,9 @@ impl<D: Device> MemPool<D> {
         // large, errors, capture) is the slow path's, from the start.
         let checked = match self.inner.alloc_hit(size, stream) {
             Hit::Block { offset } => return Ok(self.allocation_at(offset, size, stream)),
-            Hit::Miss => Checked::Yes,
-            Hit::Marked(clock) => Checked::Marked(clock),
-            Hit::Other => Checked::No,
+            Hit::Marked(clock, slot) => return self.alloc_marked(size, stream, clock, slot),
+            Hit::Miss => true,
+            Hit::Other => false,
         };
         self.alloc_slow(size, stream, serve_capture, checked)
     }
@@ -443,13 +460,35 @@ impl<D: Device> MemPool<D> {
         Allocation::eager(self.inner.base + offset as u64, size, stream, self.inner.id)
     }
 
-    /// Everything but a hit in the stream's own cache found through this
-    /// thread's recent entries: graph memory for a capturing stream, the
-    /// table lookup, a block another stream freed before an event this
-    /// stream waited on, and the reuse policy's steps. `checked`: whether
-    /// the fast path already found the stream running its work and its
-    /// cache without a block of this size (and marked the allocation in
-    /// flight on the stream's slot).
+    /// The slow path after the fast path missed on the stream's slot
+    /// entry ([`Hit::Marked`]): the size is one the fast path takes
+    /// (1 ..= va_size), the stream runs its work and is not retired, its
+    /// cache has no block of the size, and the allocation is marked in
+    /// flight there. What is left is the reuse policy's.
+    #[cold]
+    #[inline(never)]
+    fn alloc_marked(
+        &self,
+        size: usize,
+        stream: Stream,
+        clock: VectorClock,
+        slot: SlotRef<'_, Arc<StreamEntry>>,
+    ) -> Result<Allocation, PoolError> {
+        debug_assert!((1..=self.inner.va_size).contains(&size));
+        // No overflow: size <= va_size, itself a rounded usize.
+        let len = (size + (ALIGNMENT - 1)) & !(ALIGNMENT - 1);
+        // The mark keeps the slot's entry from being forgotten.
+        let entry = EntryRef::Slot(slot);
+        let in_flight = crate::ordering::AllocInFlight::adopt(&entry);
+        self.alloc_by_policy(size, len, stream, &entry, in_flight, clock)
+    }
+
+    /// Everything but a hit or a marked miss in the stream's own cache
+    /// found through this thread's recent entries: graph memory for a
+    /// capturing stream, the table lookup, then as
+    /// [`alloc_marked`](Self::alloc_marked). `checked`: whether the fast
+    /// path already found the stream running its work and its cache
+    /// without a block of this size.
     #[cold]
     #[inline(never)]
     fn alloc_slow(
@@ -457,16 +496,9 @@ impl<D: Device> MemPool<D> {
         size: usize,
         stream: Stream,
         serve_capture: bool,
-        checked: Checked,
+        checked: bool,
     ) -> Result<Allocation, PoolError> {
         let inner = &*self.inner;
-        let (checked, marked) = match checked {
-            Checked::No => (false, None),
-            Checked::Yes => (true, None),
-            Checked::Marked(clock) => (true, Some(clock)),
-        };
-        // Marked only for a size the fast path takes: 1 ..= va_size.
-        debug_assert!(marked.is_none() || (1..=inner.va_size).contains(&size));
         if size == 0 {
             // No memory, but the stream is named all the same: refuse a
             // destroyed stream or another device's as for any size.
@@ -501,33 +533,37 @@ impl<D: Device> MemPool<D> {
         }
         // A retire racing this allocation cannot have the entry forgotten
         // (its counters folded) before the allocation is counted there.
-        let (entry, in_flight, clock);
-        match marked {
-            Some(c) => {
-                // Marked by the fast path on the slot's entry, which a
-                // mark keeps from being forgotten: the same entry.
-                entry = inner.order.slot_entry_ref(stream);
-                in_flight = crate::ordering::AllocInFlight::adopt(&entry);
-                clock = c;
-            }
-            None => {
-                entry = inner.order.entry_ref(stream)?;
-                (in_flight, clock) = crate::ordering::AllocInFlight::mark(&entry, stream)?;
-            }
-        }
+        let entry = inner.order.entry_ref(stream)?;
+        let (in_flight, clock) = crate::ordering::AllocInFlight::mark(&entry, stream)?;
         if !checked {
             if let Some(offset) = inner.take_cached(&entry, stream, size, len)? {
                 return Ok(self.allocation_at(offset, size, stream));
             }
         }
+        self.alloc_by_policy(size, len, stream, &entry, in_flight, clock)
+    }
+
+    /// The end of every slow allocation: a block from the cache of a
+    /// stream waited on, else the reuse policy's; counted on the stream,
+    /// where `in_flight` marks it.
+    #[inline(always)]
+    fn alloc_by_policy(
+        &self,
+        size: usize,
+        len: usize,
+        stream: Stream,
+        entry: &Arc<StreamEntry>,
+        in_flight: crate::ordering::AllocInFlight<'_>,
+        clock: VectorClock,
+    ) -> Result<Allocation, PoolError> {
+        let inner = &*self.inner;
         let reuse = inner.reuse();
         if reuse.follow_event_dependencies && !clock.is_empty() {
-            if let Some(offset) = inner.take_followed(&entry, stream, size, len, &clock) {
+            if let Some(offset) = inner.take_followed(entry, stream, size, len, &clock) {
                 return Ok(self.allocation_at(offset, size, stream));
             }
         }
-        let offset = match crate::policy::acquire(inner.parts(), len, stream, &entry, reuse, clock)
-        {
+        let offset = match crate::policy::acquire(inner.parts(), len, stream, entry, reuse, clock) {
             Ok(off) => off,
             Err(mut e) => {
                 if let PoolError::OutOfMemory(report) = &mut e {
@@ -983,19 +1019,7 @@ impl<D: Device> MemPool<D> {
 
     /// Change the reuse switches (takes effect for later allocations).
     pub fn set_reuse(&self, reuse: ReusePolicy) {
-        let inner = &*self.inner;
-        inner
-            .follow
-            .store(reuse.follow_event_dependencies, Ordering::Relaxed);
-        inner
-            .opportunistic
-            .store(reuse.opportunistic, Ordering::Relaxed);
-        inner
-            .internal
-            .store(reuse.internal_dependencies, Ordering::Relaxed);
-        inner
-            .wait_pending
-            .store(reuse.wait_for_pending_frees, Ordering::Relaxed);
+        self.inner.reuse.store(reuse_bits(reuse), Ordering::Relaxed);
     }
 
     /// The release threshold in force.
@@ -1096,7 +1120,7 @@ impl<D: Device> MemPool<D> {
             (st.drain_cache(), st.orphaned.is_some())
         };
         {
-            let opportunistic = inner.opportunistic.load(Ordering::Relaxed);
+            let opportunistic = inner.reuse().opportunistic;
             let mut arena = lock(&inner.arena);
             let ArenaState { arena, done, .. } = &mut *arena;
             for (len, b) in drained {
@@ -1218,7 +1242,10 @@ impl RawSize for Allocation {
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub fn default_pool<D: Device>(device: &Arc<D>) -> Result<MemPool<D>, PoolError> {
-    let key = (device_key(device), std::any::TypeId::of::<D>());
+    let key = (
+        crate::registry::device_key(&**device),
+        std::any::TypeId::of::<D>(),
+    );
     crate::registry::default_for(key, || MemPool::new(device.clone(), PoolConfig::default()))
 }
 
@@ -1233,7 +1260,7 @@ enum Stashed {
 }
 
 /// What the fast path of an allocation found.
-enum Hit {
+enum Hit<'a> {
     /// A block at `offset`.
     Block { offset: usize },
     /// The stream runs its work, is not retired, and its cache has no
@@ -1241,21 +1268,12 @@ enum Hit {
     Miss,
     /// [`Hit::Miss`] on the entry in the stream's slot, with the
     /// allocation marked in flight there under the same lock (see
-    /// `AllocInFlight`), and what the stream has waited on.
-    Marked(VectorClock),
+    /// `AllocInFlight`), what the stream has waited on, and the entry (so
+    /// that the slow path need not look it up again).
+    Marked(VectorClock, SlotRef<'a, Arc<StreamEntry>>),
     /// Anything else (size 0 or too large, the entry not at hand, a
     /// stream that is captured, destroyed or retired): nothing was done.
     Other,
-}
-
-/// What the slow path of an allocation may skip after the fast path.
-enum Checked {
-    /// Nothing: it asks from the start.
-    No,
-    /// [`Hit::Miss`]: the stream runs its work, its cache has no block.
-    Yes,
-    /// [`Hit::Marked`].
-    Marked(VectorClock),
 }
 
 impl<D: Device> PoolInner<D> {
@@ -1274,7 +1292,7 @@ impl<D: Device> PoolInner<D> {
     /// liveness flag otherwise), then take a block of exactly the rounded
     /// length from its cache. Changes nothing unless it returns a block.
     #[inline(always)]
-    fn alloc_hit(&self, size: usize, stream: Stream) -> Hit {
+    fn alloc_hit(&self, size: usize, stream: Stream) -> Hit<'_> {
         // Sizes 1 ..= va_size; the rest (0, too large) is the slow path's.
         if size.wrapping_sub(1) >= self.va_size {
             return Hit::Other;
@@ -1282,36 +1300,41 @@ impl<D: Device> PoolInner<D> {
         // No overflow: size <= va_size, itself a rounded usize.
         let len = (size + (ALIGNMENT - 1)) & !(ALIGNMENT - 1);
         let check = self.capture_check_needed();
-        // `as_deref`: an `Option<&Arc<_>>` already in std, a clone under loom.
-        #[allow(clippy::needless_option_as_deref)]
-        match self.order.direct_entry(stream).as_deref() {
-            Some(e) => self.alloc_on::<true>(e, stream, size, len, check),
+        match self.order.direct_entry(stream) {
+            Some(slot) => self.alloc_on(Some(slot), None, stream, size, len, check),
             None => self.alloc_on_recent(stream, size, len, check),
         }
     }
 
     /// [`PoolInner::alloc_hit`] for a stream without a slot of its own.
     #[inline(never)]
-    fn alloc_on_recent(&self, stream: Stream, size: usize, len: usize, check: bool) -> Hit {
+    fn alloc_on_recent(&self, stream: Stream, size: usize, len: usize, check: bool) -> Hit<'_> {
         match self.order.recent_entry(stream) {
-            Some(e) => self.alloc_on::<false>(&e, stream, size, len, check),
+            Some(e) => self.alloc_on(None, Some(&e), stream, size, len, check),
             None => Hit::Other,
         }
     }
 
-    /// [`PoolInner::alloc_hit`] on the stream's entry. `MARK`: the entry
-    /// is the one in the stream's slot, and a miss marks the allocation
-    /// in flight there under the lock already held ([`Hit::Marked`]), so
-    /// that the slow path does not lock the stream again to do it.
+    /// [`PoolInner::alloc_hit`] on the stream's entry: the one in the
+    /// stream's slot (`slot`), else `recent`. On the slot's entry a miss
+    /// marks the allocation in flight there under the lock already held
+    /// ([`Hit::Marked`]), so that the slow path does not lock the stream
+    /// again to do it.
     #[inline(always)]
-    fn alloc_on<const MARK: bool>(
+    fn alloc_on<'a>(
         &self,
-        e: &StreamEntry,
+        slot: Option<SlotRef<'a, Arc<StreamEntry>>>,
+        recent: Option<&StreamEntry>,
         stream: Stream,
         size: usize,
         len: usize,
         check: bool,
-    ) -> Hit {
+    ) -> Hit<'a> {
+        let e: &StreamEntry = match (&slot, recent) {
+            (Some(s), _) => s,
+            (None, Some(r)) => r,
+            (None, None) => return Hit::Other,
+        };
         if !e.runs_now(&*self.device, stream, check) {
             return Hit::Other;
         }
@@ -1320,10 +1343,12 @@ impl<D: Device> PoolInner<D> {
             return Hit::Other;
         }
         let Some(block) = st.cache.pop(len) else {
-            if MARK {
-                return Hit::Marked(crate::ordering::AllocInFlight::mark_held(&mut st));
+            if slot.is_none() {
+                return Hit::Miss;
             }
-            return Hit::Miss;
+            let clock = crate::ordering::AllocInFlight::mark_held(&mut st);
+            drop(st);
+            return Hit::Marked(clock, slot.expect("checked"));
         };
         st.cached_bytes -= len;
         let missing = self.counters.on_alloc(&mut st.counters, size as u64, true);
@@ -1383,7 +1408,7 @@ impl<D: Device> PoolInner<D> {
     /// other streams' next slow allocation learns when it completes.
     #[cold]
     fn spill(&self, stream: Stream, offset: usize, len: usize, epoch: u64) {
-        let opportunistic = self.opportunistic.load(Ordering::Relaxed);
+        let opportunistic = self.reuse().opportunistic;
         let mut st = lock(&self.arena);
         let ArenaState { arena, done, .. } = &mut *st;
         arena.give_back_settling(
@@ -1558,7 +1583,7 @@ impl<D: Device> PoolInner<D> {
             }
             None => self.order.orphan_forgotten(user.id()),
         };
-        let opportunistic = self.opportunistic.load(Ordering::Relaxed);
+        let opportunistic = self.reuse().opportunistic;
         let ArenaState { arena: a, done, .. } = &mut *arena;
         a.give_back_settling(
             offset,
@@ -1707,7 +1732,7 @@ impl<D: Device> PoolInner<D> {
         if !self.order.any_unpurged() {
             return;
         }
-        let opportunistic = self.opportunistic.load(Ordering::Relaxed);
+        let opportunistic = self.reuse().opportunistic;
         let purged = {
             let mut st = lock(&self.arena);
             let ArenaState { arena, done, .. } = &mut *st;
@@ -1727,22 +1752,14 @@ impl<D: Device> PoolInner<D> {
         self.counts().1
     }
 
+    #[inline]
     pub fn reuse(&self) -> ReusePolicy {
-        ReusePolicy {
-            follow_event_dependencies: self.follow.load(Ordering::Relaxed),
-            opportunistic: self.opportunistic.load(Ordering::Relaxed),
-            internal_dependencies: self.internal.load(Ordering::Relaxed),
-            wait_for_pending_frees: self.wait_pending.load(Ordering::Relaxed),
-        }
+        reuse_of_bits(self.reuse.load(Ordering::Relaxed))
     }
 
     /// The parts of the pool the reuse policy works with.
     fn parts(&self) -> crate::policy::Parts<'_, D> {
         crate::policy::Parts {
-            id: self.id,
-            device: &*self.device,
-            device_key: device_key(&self.device),
-            config: &self.config,
             order: &self.order,
             arena: &self.arena,
             pages: self.pages(),
@@ -1804,11 +1821,6 @@ impl<D: Device> CacheHolder for PoolInner<D> {
     fn release_cached(&self) -> u64 {
         self.trim_to(0).unwrap_or(0)
     }
-}
-
-/// Identifies a device instance among pools.
-fn device_key<D>(device: &Arc<D>) -> usize {
-    Arc::as_ptr(device) as *const () as usize
 }
 
 impl<D: Device> Drop for PoolInner<D> {

@@ -14,6 +14,11 @@ pub(crate) trait CacheHolder: Send + Sync {
     fn release_cached(&self) -> u64;
 }
 
+/// The key of a device instance among pools: its address.
+pub(crate) fn device_key<D>(device: &D) -> usize {
+    device as *const D as *const () as usize
+}
+
 /// A pool as the registry knows it.
 pub(crate) struct PoolRecord {
     pub id: u64,
