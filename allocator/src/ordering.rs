@@ -1210,6 +1210,20 @@ impl<D: Device> StreamOrder<D> {
         Ok(e)
     }
 
+    /// Whether `stream` was retired from the pool: its entry marked so, or
+    /// already forgotten. Creates no state for a stream the pool has not
+    /// met (a request of no memory names a stream but needs none).
+    pub fn is_retired(&self, stream: Stream) -> bool {
+        let entry = {
+            let table = self.streams.read().unwrap_or_else(|p| p.into_inner());
+            if table.forgotten.contains(stream.id()) {
+                return true;
+            }
+            table.get(&stream.id()).cloned()
+        };
+        entry.is_some_and(|e| lock(&e.state).retired)
+    }
+
     /// Every stream's entry (a snapshot of the table), in id order. For
     /// the rare passes that must see every stream (synchronising all of
     /// them, statistics, the pool's drop); the allocation paths visit only

@@ -501,8 +501,12 @@ impl<D: Device> MemPool<D> {
         let inner = &*self.inner;
         if size == 0 {
             // No memory, but the stream is named all the same: refuse a
-            // destroyed stream or another device's as for any size.
+            // destroyed stream, another device's or a retired one as for
+            // any size.
             inner.device.check_stream(stream)?;
+            if inner.order.is_retired(stream) {
+                return Err(PoolError::StreamRetired { stream });
+            }
             Counters::bump(&inner.counters.zero_allocs);
             return Ok(Allocation::eager(0, 0, stream, inner.id));
         }

@@ -213,6 +213,11 @@ fn retired_stream_is_a_typed_error() {
         pool.alloc_async(4096, s[0]).unwrap_err(),
         PoolError::StreamRetired { stream: s[0] }
     );
+    // No memory, but the stream is named all the same.
+    assert_eq!(
+        pool.alloc_async(0, s[0]).unwrap_err(),
+        PoolError::StreamRetired { stream: s[0] }
+    );
     let failed = pool.free_async(x, s[0]).unwrap_err();
     assert_eq!(failed.error, PoolError::StreamRetired { stream: s[0] });
     let before = pool.stats();
