@@ -15,7 +15,7 @@
 mod attack17_support;
 mod common;
 
-use attack17_support::{capped, check_kernel, reuse, write_kernel, Live, KIB, PAGE};
+use attack17_support::{capped, check_model, end_phase, reuse, write_kernel, Live, KIB, PAGE};
 use common::Rng;
 use std::collections::HashSet;
 use std::sync::mpsc::Receiver;
@@ -39,20 +39,6 @@ struct Setup {
     streams: usize,
     phases: usize,
     steps: usize,
-}
-
-fn check_model(pool: &MemPool<tidepool_sys::HostDevice>, live: &[Live], cap: usize, what: &str) {
-    let s = pool.stats();
-    let used: u64 = live.iter().map(|l| l.a.size() as u64).sum();
-    assert_eq!(s.used_current, used, "{what}: used bytes ({s:?})");
-    assert!(
-        s.reserved_current >= s.used_current,
-        "{what}: reserved below used ({s:?})"
-    );
-    assert!(
-        s.reserved_current <= (cap * PAGE) as u64,
-        "{what}: reserved above the cap ({s:?})"
-    );
 }
 
 fn draw_policy(rng: &mut Rng) -> ReusePolicy {
@@ -251,20 +237,8 @@ fn run(s: &Setup, seed: u64) -> (u64, u64) {
             check_model(&pool, &live, s.cap_pages, &what);
         }
         drop(gates);
-        pool.synchronize().unwrap();
-        common::expect_kernels_mapped(&mut kernels);
         let what = format!("{label} seed {seed} phase {phase} end");
-        for l in &live {
-            let bad = check_kernel(&dev, l.stream, l);
-            assert!(
-                bad.is_none(),
-                "{what}: block {} ({} B at {:#x}) lost its words: {bad:?}",
-                l.tag,
-                l.a.size(),
-                l.a.ptr()
-            );
-        }
-        check_model(&pool, &live, s.cap_pages, &what);
+        end_phase(&pool, &dev, &mut kernels, &live, s.cap_pages, &what);
     }
     while announced > 0 {
         assert!(pool.end_announced_capture(streams[0]));

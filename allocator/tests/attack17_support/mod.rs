@@ -105,9 +105,39 @@ pub fn check_model(pool: &MemPool<HostDevice>, live: &[Live], cap: usize, what: 
     let used: u64 = live.iter().map(|l| l.a.size() as u64).sum();
     assert_eq!(s.used_current, used, "{what}: used bytes ({s:?})");
     assert!(
+        s.reserved_current >= s.used_current,
+        "{what}: reserved below used ({s:?})"
+    );
+    assert!(
         s.reserved_current <= (cap * PAGE) as u64 && s.reserved_high <= (cap * PAGE) as u64,
         "{what}: reserved above the cap ({s:?})"
     );
+}
+
+/// The end of a phase, every hold released: all work done, each write
+/// kernel found its memory mapped, every live block's words are intact,
+/// and the statistics agree with the live blocks.
+pub fn end_phase(
+    pool: &MemPool<HostDevice>,
+    dev: &HostDevice,
+    kernels: &mut Vec<(String, Receiver<bool>)>,
+    live: &[Live],
+    cap: usize,
+    what: &str,
+) {
+    pool.synchronize().unwrap();
+    common::expect_kernels_mapped(kernels);
+    for l in live {
+        let bad = check_kernel(dev, l.stream, l);
+        assert!(
+            bad.is_none(),
+            "{what}: block {} ({} B at {:#x}) lost its words: {bad:?}",
+            l.tag,
+            l.a.size(),
+            l.a.ptr()
+        );
+    }
+    check_model(pool, live, cap, what);
 }
 
 /// Hand the live blocks of stream `i` to a new stream ordered after it,
@@ -232,20 +262,8 @@ pub fn run(s: &Setup, seed: u64) -> u64 {
             check_model(&pool, &live, s.cap_pages, &what);
         }
         drop(gates);
-        pool.synchronize().unwrap();
-        common::expect_kernels_mapped(&mut kernels);
         let what = format!("{label} seed {seed} phase {phase} end");
-        for l in &live {
-            let bad = check_kernel(&dev, l.stream, l);
-            assert!(
-                bad.is_none(),
-                "{what}: block {} ({} B at {:#x}) lost its words: {bad:?}",
-                l.tag,
-                l.a.size(),
-                l.a.ptr()
-            );
-        }
-        check_model(&pool, &live, s.cap_pages, &what);
+        end_phase(&pool, &dev, &mut kernels, &live, s.cap_pages, &what);
         // All work done and every free complete: the rule checked is that
         // a request of one page less than the pages no live block touches
         // succeeds (any complete free page, cached or not, may be taken).
